@@ -1,0 +1,41 @@
+# Two commands set up a fresh machine: `make demo` and `make test` (see README.md).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test bench lock clean system-packages
+
+setup: $(STAMP)
+
+# CI installs exactly ci/constraints.txt; torch/torchvision come from local disk where they lie there.
+$(STAMP): pyproject.toml ci/constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade-strategy only-if-needed -c ci/constraints.txt -e '.[dev,dali]'
+	touch $@
+
+# Debian's SLURM packages for the cluster tests (installed when root and missing).
+system-packages:
+	@if [ "$$(id -u)" = 0 ] && ! command -v slurmctld >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+			slurmctld slurmd slurm-client munge >/dev/null; \
+	fi
+
+demo: setup
+	$(VENV)/bin/vitforge demo
+
+test: setup system-packages
+	$(PY) -m pytest -q tests
+
+bench: setup
+	$(PY) benchmarks/shard_bench.py
+
+lock:
+	rm -rf /tmp/vitforge-lock && $(PYTHON) -m venv /tmp/vitforge-lock
+	/tmp/vitforge-lock/bin/pip install --quiet '.[dev,dali]' 'torch==2.14.1' 'torchvision==0.29.1'
+	{ echo "# Exact versions CI installs: pip freeze of '.[dev,dali]' (regenerate: make lock)"; \
+	  /tmp/vitforge-lock/bin/pip freeze | grep -v '^vitforge'; } > ci/constraints.txt
+
+clean:
+	rm -rf $(VENV) demo-out bench-out *.egg-info

@@ -1,0 +1,95 @@
+"""The dataset manifest (`dataset.json`) and the per-shard records it is merged from.
+
+Layout of a destination:
+    PREFIX-000000.tar, PREFIX-000000.idx, ...   the shards and their DALI indexes
+    dataset.json                                written last; a reader trusts nothing else
+    rejects.jsonl, duplicates.jsonl             what was left out, with the source and the reason
+    _work/plan.json.gz                          the shard plan every part shares
+    _work/shards/PREFIX-000000.tar.json         one record per finished shard (its commit mark)
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+from . import __version__
+from .plan import Plan
+from .sources import display_path
+
+FORMAT = "vitforge.shards"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "dataset.json"
+REJECTS_NAME = "rejects.jsonl"
+DUPLICATES_NAME = "duplicates.jsonl"
+PLAN_NAME = "_work/plan.json.gz"
+RECORDS_DIR = "_work/shards"
+
+
+class ManifestError(ValueError):
+    pass
+
+
+def shard_name(prefix: str, index: int) -> str:
+    return f"{prefix}-{index:06d}.tar"
+
+
+def record_name(shard: str) -> str:
+    return f"{RECORDS_DIR}/{shard}.json"
+
+
+def merge(store, plan: Plan, command: str) -> dict:
+    """Combine every shard record into dataset.json (written last), rejects.jsonl, duplicates.jsonl."""
+    names = [shard_name(plan.parameters["prefix"], i) for i in range(len(plan.shards))]
+    present = set(store.list(RECORDS_DIR))
+    missing = [n for n in names if record_name(n) not in present]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ManifestError(f"{len(missing)} of {len(names)} shards are not finished yet: {shown}")
+    records = [json.loads(store.get_bytes(record_name(n))) for n in names]
+    rejects = [r for record in records for r in record["rejects"]]
+    class_counts: Counter = Counter()
+    normalised: Counter = Counter()
+    for record in records:
+        class_counts.update({int(k): v for k, v in record["class_counts"].items()})
+        normalised.update(record["normalised"])
+    samples = sum(r["samples"] for r in records)
+    totals = {
+        "inputs": plan.inputs, "samples": samples, "rejected": len(rejects),
+        "duplicates": len(plan.duplicates), "bytes": sum(r["bytes"] for r in records), "shards": len(records),
+    }
+    if totals["inputs"] != samples + totals["rejected"] + totals["duplicates"]:
+        raise ManifestError(f"accounting does not add up: {totals}")
+    manifest = {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "created_by": f"vitforge {__version__}",
+        "command": command, "parameters": plan.parameters, "plan_fingerprint": plan.fingerprint,
+        "classes": plan.classes, "num_classes": len(plan.classes),
+        "class_counts": [class_counts.get(i, 0) for i in range(len(plan.classes))],
+        "totals": totals,
+        "rejects_by_reason": dict(sorted(Counter(r["reason"] for r in rejects).items())),
+        "normalised": dict(sorted(normalised.items())),
+        "shards": [{k: r[k] for k in ("name", "index", "samples", "bytes", "sha256", "index_sha256")}
+                   for r in records],
+    }
+    store.put_bytes(REJECTS_NAME, _jsonl(rejects))
+    store.put_bytes(DUPLICATES_NAME, _jsonl(
+        [{**d, "source": display_path(d["source"]), "duplicate_of": display_path(d["duplicate_of"])}
+         for d in plan.duplicates]))
+    store.put_bytes(MANIFEST_NAME, json.dumps(manifest, indent=1, sort_keys=True).encode() + b"\n")
+    return manifest
+
+
+def read_manifest(store) -> dict:
+    try:
+        manifest = json.loads(store.get_bytes(MANIFEST_NAME))
+    except FileNotFoundError:
+        raise ManifestError(f"{store.url(MANIFEST_NAME)}: no dataset manifest (sharding unfinished?)") from None
+    except json.JSONDecodeError as e:
+        raise ManifestError(f"{store.url(MANIFEST_NAME)}: not valid JSON ({e.msg})") from None
+    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
+        raise ManifestError(f"{store.url(MANIFEST_NAME)}: not a {FORMAT} v{FORMAT_VERSION} manifest")
+    return manifest
+
+
+def _jsonl(rows: list[dict]) -> bytes:
+    return b"".join(json.dumps(r, sort_keys=True).encode() + b"\n" for r in rows)

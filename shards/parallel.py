@@ -1,0 +1,47 @@
+"""An ordered, bounded parallel map over worker processes.
+
+Pool.imap queues every task and every finished result without limit, so a slow upload in the
+main process lets decoded images pile up in memory; here at most `window` chunks are in flight.
+Results come back in input order, which is what makes the output independent of worker count.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections import deque
+from concurrent.futures import ProcessPoolExecutor
+from typing import Callable, Iterable, Iterator, TypeVar
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def _run_chunk(fn, chunk):
+    return [fn(item) for item in chunk]
+
+
+def ordered_map(fn: Callable[[T], R], items: Iterable[T], workers: int, chunk_size: int = 8,
+                window_per_worker: int = 4) -> Iterator[R]:
+    if workers <= 1:
+        yield from map(fn, items)
+        return
+    # spawn, not fork: the parent may hold threads (stat pools, boto3) that fork would copy mid-lock.
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(workers, mp_context=context) as pool:
+        pending: deque = deque()
+        chunk: list = []
+
+        def submit(c):
+            pending.append(pool.submit(_run_chunk, fn, c))
+
+        for item in items:
+            chunk.append(item)
+            if len(chunk) == chunk_size:
+                submit(chunk)
+                chunk = []
+                while len(pending) >= workers * window_per_worker:
+                    yield from pending.popleft().result()
+        if chunk:
+            submit(chunk)
+        while pending:
+            yield from pending.popleft().result()

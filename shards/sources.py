@@ -1,0 +1,265 @@
+"""List the inputs of a corpus: class-folder trees or CSV / JSONL / Parquet manifests, local or fsspec URLs.
+
+The result is a list of SourceRecord in a stable order plus the class map. Nothing here reads
+image bytes; problems with individual rows (missing file, unknown label) travel with the record
+as `problem` so the sharder can count them as rejects instead of failing the run.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import posixpath
+import stat
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import fsspec
+
+from .retry import with_retries
+
+IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".ppm", ".pgm"}
+MANIFEST_SUFFIXES = (".csv", ".tsv", ".jsonl", ".json", ".parquet")
+
+
+class SourceError(ValueError):
+    """The corpus as a whole cannot be read (not one bad sample: those become rejects)."""
+
+
+@dataclass
+class SourceRecord:
+    source: str  # local path or fsspec URL; may hold surrogate escapes for non-UTF-8 names
+    label: int | None
+    size: int = 0  # bytes on the source, used to plan shard sizes; 0 when unknown
+    meta: dict = field(default_factory=dict)
+    problem: tuple[str, str] | None = None  # (reason, detail) when the row can never be packed
+
+
+@dataclass
+class Corpus:
+    records: list[SourceRecord]
+    classes: list[str]  # class id -> name
+
+
+def is_url(path: str) -> bool:
+    return "://" in path and not path.startswith("file://")
+
+
+def display_path(path: str) -> str:
+    """A printable, valid-UTF-8 form of a path whose bytes may not be UTF-8."""
+    return path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def list_corpus(src: str, *, classes: list[str] | None = None, path_column: str = "path",
+                label_column: str = "label", stat_threads: int = 32) -> Corpus:
+    if src.startswith("file://"):
+        src = src[len("file://"):]
+    if src.rstrip("/").lower().endswith(MANIFEST_SUFFIXES):
+        corpus = _from_manifest(src, classes, path_column, label_column)
+        _fill_sizes(corpus.records, stat_threads)
+        return corpus
+    return _from_class_folders(src, classes)
+
+
+def load_class_names(path: str) -> list[str]:
+    """Class names from a text file (one per line), a JSON list/dict, or another dataset.json."""
+    with fsspec.open(path, "rt", encoding="utf-8") as f:
+        text = f.read()
+    if path.endswith(".json"):
+        value = json.loads(text)
+        value = value.get("classes", value) if isinstance(value, dict) and "classes" in value else value
+        if isinstance(value, dict):
+            return [name for name, _ in sorted(value.items(), key=lambda kv: int(kv[1]))]
+        return [str(v) for v in value]
+    names = [line.strip() for line in text.splitlines() if line.strip()]
+    if len(set(names)) != len(names):
+        raise SourceError(f"{path}: class names repeat")
+    return names
+
+
+def _from_class_folders(src: str, classes: list[str] | None) -> Corpus:
+    if is_url(src):
+        fs, root = fsspec.core.url_to_fs(src)
+        found = fs.find(root, detail=True)
+        entries = [(posixpath.relpath(p, root), p, info.get("size") or 0, fs.unstrip_protocol(p))
+                   for p, info in found.items() if info.get("type") != "directory"]
+    else:
+        if not os.path.isdir(src):
+            raise SourceError(f"{src}: not a folder, and not a .csv/.jsonl/.parquet manifest")
+        entries = [(os.path.relpath(p, src), p, size, p) for p, size in _walk_local(src)]
+    by_class: dict[str, list] = {}
+    for rel, _, size, url in entries:
+        parts = rel.replace(os.sep, "/").split("/")
+        if len(parts) < 2 or os.path.splitext(parts[-1])[1].lower() not in IMAGE_EXTENSIONS:
+            continue
+        by_class.setdefault(parts[0], []).append((rel, url, size))
+    if not by_class:
+        raise SourceError(f"{display_path(src)}: no images found in class folders (expected SRC/CLASS/IMAGE)")
+    names = classes if classes is not None else sorted(by_class)
+    ids = {name: i for i, name in enumerate(names)}
+    records = []
+    for name in sorted(by_class):
+        for rel, url, size in sorted(by_class[name]):
+            record = SourceRecord(url, ids.get(name), size)
+            if record.label is None:
+                record.problem = ("label_unknown", f"class folder {display_path(name)!r} is not in the class map")
+            records.append(record)
+    return Corpus(records, list(names))
+
+
+def _walk_local(root: str):
+    """Yield (path, size) of every non-directory entry, following directory symlinks once."""
+    seen = set()
+    stack = [root]
+    while stack:
+        folder = stack.pop()
+        try:
+            st = os.stat(folder)
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) in seen:
+            continue  # a symlink loop or a second link to a folder already listed
+        seen.add((st.st_dev, st.st_ino))
+        with os.scandir(folder) as it:
+            for entry in it:
+                try:
+                    is_dir = entry.is_dir(follow_symlinks=True)
+                except OSError:
+                    is_dir = False
+                if is_dir:
+                    stack.append(entry.path)
+                    continue
+                try:
+                    info = entry.stat(follow_symlinks=True)
+                    size = info.st_size if stat.S_ISREG(info.st_mode) else 0
+                except OSError:
+                    size = 0  # unreadable or a looping link: reading it later names the cause
+                yield entry.path, size
+
+
+def _read_manifest_rows(path: str) -> list[dict]:
+    lower = path.lower()
+    if lower.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        with fsspec.open(path, "rb") as f:
+            return pq.read_table(f).to_pylist()
+    with fsspec.open(path, "rt", encoding="utf-8", newline="") as f:
+        text = f.read()
+    if lower.endswith((".jsonl", ".json")):
+        rows = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise SourceError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        return rows
+    return list(csv.DictReader(io.StringIO(text), delimiter="\t" if lower.endswith(".tsv") else ","))
+
+
+def _from_manifest(path: str, classes: list[str] | None, path_column: str, label_column: str) -> Corpus:
+    try:
+        rows = _read_manifest_rows(path)
+    except FileNotFoundError:
+        raise SourceError(f"{path}: manifest not found") from None
+    if not rows:
+        raise SourceError(f"{path}: manifest has no rows")
+    for column in (path_column, label_column):
+        if column not in rows[0]:
+            raise SourceError(f"{path}: no column {column!r} (columns: {', '.join(map(str, rows[0]))})")
+    base = path.rsplit("/", 1)[0] if "/" in path else "."
+    labels = [row.get(label_column) for row in rows]
+    numeric = all(_as_int(v) is not None for v in labels if v not in (None, ""))
+    if classes is None:
+        if numeric:
+            top = max((_as_int(v) for v in labels if v not in (None, "")), default=-1)
+            classes = [str(i) for i in range(top + 1)]
+        else:
+            classes = sorted({str(v) for v in labels if v not in (None, "")})
+    ids = {name: i for i, name in enumerate(classes)}
+    records = []
+    for n, row in enumerate(rows, 1):
+        raw_path, raw_label = row.get(path_column), row.get(label_column)
+        source = _resolve(str(raw_path or ""), base)
+        meta = {k: _jsonable(v) for k, v in row.items() if k not in (path_column, label_column)}
+        label = _label_id(raw_label, ids, numeric, len(classes))
+        record = SourceRecord(source, label, 0, meta)
+        if not raw_path:
+            record.problem = ("missing_path", f"manifest row {n} has an empty {path_column!r}")
+        elif label is None:
+            record.problem = ("label_unknown", f"manifest row {n}: label {raw_label!r} is not in the class map")
+        records.append(record)
+    return Corpus(records, list(classes))
+
+
+def _label_id(raw, ids: dict[str, int], numeric: bool, num_classes: int) -> int | None:
+    if raw in (None, ""):
+        return None
+    if numeric:
+        value = _as_int(raw)
+        return value if value is not None and 0 <= value < num_classes else None
+    return ids.get(str(raw))
+
+
+def _as_int(value) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value)
+    return None
+
+
+def _resolve(path: str, base: str) -> str:
+    if not path or is_url(path) or path.startswith("/"):
+        return path
+    if path.startswith("file://"):
+        return path[len("file://"):]
+    return posixpath.join(base, path) if is_url(base) else os.path.join(base, path)
+
+
+def _jsonable(value):
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    return str(value)
+
+
+def _fill_sizes(records: list[SourceRecord], threads: int) -> None:
+    """Manifests carry no sizes; stat every source (in threads: S3 HEADs are latency-bound)."""
+    def size_of(record: SourceRecord) -> int:
+        if record.problem:
+            return 0
+        try:
+            if is_url(record.source):
+                fs, path = fsspec.core.url_to_fs(record.source)
+                return int(fs.info(path).get("size") or 0)
+            return os.stat(record.source).st_size
+        except (OSError, ValueError):
+            return 0  # reading it later names the cause
+
+    with ThreadPoolExecutor(threads) as pool:
+        for record, size in zip(records, pool.map(size_of, records)):
+            record.size = size
+
+
+def read_source(source: str) -> bytes:
+    """The bytes of one input; remote reads are retried, local ones fail at once."""
+    if not is_url(source):
+        with open(source, "rb") as f:
+            return f.read()
+
+    def fetch() -> bytes:
+        with fsspec.open(source, "rb") as f:
+            return f.read()
+
+    return with_retries(fetch, display_path(source))
