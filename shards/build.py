@@ -205,6 +205,8 @@ def _process_item(item: PlanItem, *, opts: ImageOptions, classes: tuple[str, ...
     if opts.validate:
         info.update(width=encoded.width, height=encoded.height,
                     source_width=encoded.source_width, source_height=encoded.source_height)
+    if encoded.changes:
+        info["normalised"] = list(encoded.changes)
     if item.meta:
         info["meta"] = item.meta
     sample = {"__key__": item.key, encoded.ext: encoded.data, "cls": str(item.label).encode(),

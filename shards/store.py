@@ -8,6 +8,7 @@ AWS_PROFILE, ...), never from our arguments, so no secret reaches a log line or 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import tempfile
@@ -90,6 +91,22 @@ class LocalStore:
         return folder
 
 
+@contextlib.contextmanager
+def _named(url: str):
+    """botocore's errors name the endpoint, not the object: say which s3:// URL failed."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        yield
+    except ClientError as e:
+        code = str(e.response.get("Error", {}).get("Code"))
+        if code in ("404", "NoSuchKey", "NotFound"):
+            raise FileNotFoundError(f"{url}: no such object") from None
+        raise OSError(f"{url}: {e}") from None
+    except BotoCoreError as e:
+        raise OSError(f"{url}: {e}") from None
+
+
 def _temp_name(folder: str, name: str) -> str:
     """Host and pid in the name let a rerun tell a dead writer's leftovers from a live one's."""
     return os.path.join(folder, f"{name.replace('/', '%')}{TEMP_MARK}{socket.gethostname()}-{os.getpid()}")
@@ -129,7 +146,12 @@ class S3Store:
             import boto3
             from botocore.config import Config
 
-            self._client = boto3.client("s3", config=Config(retries={"mode": "standard", "max_attempts": 10}))
+            # botocore retries throttling, 5xx and resets itself; our own retry wraps only what it
+            # does not (a body cut short), so the two never multiply into minutes of waiting.
+            # The standard AWS_MAX_ATTEMPTS / AWS_RETRY_MODE variables still win over our defaults.
+            retries = {"mode": os.environ.get("AWS_RETRY_MODE", "standard"),
+                       "max_attempts": int(os.environ.get("AWS_MAX_ATTEMPTS", "8"))}
+            self._client = boto3.client("s3", config=Config(retries=retries, connect_timeout=10, read_timeout=120))
         return self._client
 
     def key(self, name: str) -> str:
@@ -152,19 +174,20 @@ class S3Store:
         from boto3.s3.transfer import TransferConfig
 
         config = TransferConfig(multipart_threshold=64 << 20, multipart_chunksize=64 << 20, max_concurrency=8)
-        with_retries(lambda: self.client.upload_file(local_path, self.bucket, self.key(name), Config=config),
-                     f"upload {self.url(name)}")
+        with _named(self.url(name)):
+            self.client.upload_file(local_path, self.bucket, self.key(name), Config=config)
         os.unlink(local_path)
 
     def put_bytes(self, name: str, data: bytes) -> None:
-        with_retries(lambda: self.client.put_object(Bucket=self.bucket, Key=self.key(name), Body=data),
-                     f"put {self.url(name)}")
+        with _named(self.url(name)):
+            self.client.put_object(Bucket=self.bucket, Key=self.key(name), Body=data)
 
     def get_bytes(self, name: str) -> bytes:
         def fetch() -> bytes:
             try:
-                response = self.client.get_object(Bucket=self.bucket, Key=self.key(name))
-            except self.client.exceptions.NoSuchKey:
+                with _named(self.url(name)):
+                    response = self.client.get_object(Bucket=self.bucket, Key=self.key(name))
+            except FileNotFoundError:
                 raise FileNotFoundError(self.url(name)) from None
             body = response["Body"].read()
             if len(body) != response["ContentLength"]:
@@ -175,33 +198,25 @@ class S3Store:
         return with_retries(fetch, f"get {self.url(name)}")
 
     def exists(self, name: str) -> bool:
-        from botocore.exceptions import ClientError
-
-        def head() -> bool:
-            try:
+        try:
+            with _named(self.url(name)):
                 self.client.head_object(Bucket=self.bucket, Key=self.key(name))
-                return True
-            except ClientError as e:
-                if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
-                    return False
-                raise
-
-        return with_retries(head, f"head {self.url(name)}")
+            return True
+        except FileNotFoundError:
+            return False
 
     def list(self, prefix: str) -> list[str]:
-        def listing() -> list[str]:
-            names = []
-            base = self.key(prefix).rstrip("/") + "/"
+        names = []
+        base = self.key(prefix).rstrip("/") + "/"
+        with _named(self.url(prefix)):
             for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base):
                 names += [prefix.rstrip("/") + "/" + o["Key"][len(base):] for o in page.get("Contents", [])]
-            return sorted(names)
-
-        return with_retries(listing, f"list {self.url(prefix)}")
+        return sorted(names)
 
     def local_copy(self, name: str, folder: str) -> str:
         path = os.path.join(folder, os.path.basename(name))
-        with_retries(lambda: self.client.download_file(self.bucket, self.key(name), path),
-                     f"download {self.url(name)}")
+        with _named(self.url(name)):
+            self.client.download_file(self.bucket, self.key(name), path)
         return path
 
     def discard_stale_temporaries(self, names: set[str]) -> None:

@@ -1,0 +1,90 @@
+"""A small HTTP proxy on 127.0.0.1 that forwards to the test S3 server and injects faults on a
+fixed schedule: 503 SlowDown answers, connection resets before any answer, and response bodies
+cut short by a reset. It is test equipment, in front of the real server, not a fake of it."""
+
+from __future__ import annotations
+
+import http.client
+import socket
+import struct
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+             b"<Message>Please reduce your request rate.</Message></Error>")
+
+
+class FaultSchedule:
+    def __init__(self, slow_down_every: int, reset_every: int, cut_body_every: int):
+        self.every = {"slow_down": slow_down_every, "reset": reset_every, "cut_body": cut_body_every}
+        self.count = 0
+        self.injected = {name: 0 for name in self.every}
+        self.lock = threading.Lock()
+
+    def next_fault(self) -> str | None:
+        with self.lock:
+            self.count += 1
+            for name, every in self.every.items():
+                if every and self.count % every == 0:
+                    self.injected[name] += 1
+                    return name
+            return None
+
+
+def _reset(sock: socket.socket) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+
+
+def start_proxy(backend_port: int, schedule: FaultSchedule) -> tuple[ThreadingHTTPServer, int]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):
+            pass
+
+        def _handle(self):
+            length = int(self.headers.get("Content-Length") or 0)
+            if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+                raise RuntimeError("chunked request bodies are not supported by this proxy")
+            body = self.rfile.read(length) if length else None
+            fault = schedule.next_fault()
+            if fault == "reset":
+                self.close_connection = True
+                _reset(self.connection)
+                return
+            if fault == "slow_down":
+                self.send_response(503)
+                self.send_header("Content-Type", "application/xml")
+                self.send_header("Content-Length", str(len(SLOW_DOWN)))
+                self.end_headers()
+                self.wfile.write(SLOW_DOWN)
+                return
+            upstream = http.client.HTTPConnection("127.0.0.1", backend_port, timeout=60)
+            upstream.request(self.command, self.path, body=body, headers=dict(self.headers.items()))
+            response = upstream.getresponse()
+            data = response.read()
+            upstream.close()
+            self.send_response_only(response.status, response.reason)
+            for key, value in response.getheaders():
+                if key.lower() not in ("transfer-encoding", "content-length", "connection"):
+                    self.send_header(key, value)
+            self.send_header("Content-Length", str(len(data) if self.command != "HEAD" else
+                                                   response.getheader("Content-Length") or 0))
+            self.end_headers()
+            if self.command == "HEAD":
+                return
+            if fault == "cut_body" and len(data) > 64:
+                self.wfile.write(data[: len(data) // 2])
+                self.wfile.flush()
+                self.close_connection = True
+                _reset(self.connection)
+                return
+            self.wfile.write(data)
+
+        do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _handle
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, server.server_address[1]
