@@ -14,6 +14,7 @@ import logging
 import os
 import shlex
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 from .images import ImageOptions, Rejected, normalise
@@ -138,26 +139,41 @@ def _load_or_make_plan(job: ShardJob, store) -> Plan:
 
 
 def _build_shards(job: ShardJob, plan: Plan, store, todo: list[int], names: dict[int, str]) -> None:
-    items = [(i, item) for i in todo for item in plan.shards[i]]
+    items = [item for i in todo for item in plan.shards[i]]
     progress = Progress(len(items), "shard")
     process = functools.partial(_process_item, opts=job.image, classes=tuple(plan.classes))
-    results = ordered_map(process, (item for _, item in items), job.workers)
+    # Packing without validation is file reads and hashing, which threads overlap well.
+    results = ordered_map(process, items, job.workers, threads=not job.image.validate)
+    # One publisher thread syncs and uploads shard N while shard N+1 is packed; at most one waits.
+    publisher = ThreadPoolExecutor(1, thread_name_prefix="publish")
+    published = None
     try:
         for i in todo:
-            shard_results = (next(results) for _ in plan.shards[i])
-            _write_shard(store, names[i], shard_results, progress)
+            staged = _pack_shard(store.temp_path(names[i]), (next(results) for _ in plan.shards[i]), progress)
+            if published is not None:
+                published.result()
+            published = publisher.submit(_publish_shard, store, names[i], staged)
+        if published is not None:
+            published.result()
     finally:
         results.close()
+        publisher.shutdown(wait=True)
         progress.close()
 
 
-def _write_shard(store, name: str, results, progress: Progress) -> None:
-    staging = store.temp_path(name)
+@dataclass
+class StagedShard:
+    path: str
+    writer: TarShardWriter
+    record: dict
+
+
+def _pack_shard(staging: str, results, progress: Progress) -> StagedShard:
     rejects: list[dict] = []
     class_counts: Counter = Counter()
     changes: Counter = Counter()
     try:
-        with open(staging, "wb") as out:
+        with open(staging, "wb", buffering=1 << 20) as out:
             writer = TarShardWriter(out)
             for result in results:
                 if "reject" in result:
@@ -168,21 +184,30 @@ def _write_shard(store, name: str, results, progress: Progress) -> None:
                     changes.update(result["changes"])
                 progress.update(1, result.get("bytes", 0))
             writer.close()
-            out.flush()
-            os.fsync(out.fileno())
-        store.put_file(staging, name)
     except BaseException:
         if os.path.exists(staging):
             os.unlink(staging)
         raise
-    index = writer.dali_index()
+    record = {"class_counts": {str(k): v for k, v in sorted(class_counts.items())},
+              "normalised": dict(sorted(changes.items())), "rejects": rejects}
+    return StagedShard(staging, writer, record)
+
+
+def _publish_shard(store, name: str, staged: StagedShard) -> None:
+    """Tar, then index, then the record: the record is the commit mark, so it goes last."""
+    try:
+        with open(staged.path, "rb") as f:
+            os.fsync(f.fileno())
+        store.put_file(staged.path, name)
+    except BaseException:
+        if os.path.exists(staged.path):
+            os.unlink(staged.path)
+        raise
+    index = staged.writer.dali_index()
     store.put_bytes(index_path_for(name), index)
-    record = {
-        "name": name, "index": index_path_for(name), "samples": writer.samples, "bytes": writer.offset,
-        "sha256": writer.sha256, "index_sha256": hashlib.sha256(index).hexdigest(),
-        "class_counts": {str(k): v for k, v in sorted(class_counts.items())},
-        "normalised": dict(sorted(changes.items())), "rejects": rejects,
-    }
+    record = {"name": name, "index": index_path_for(name), "samples": staged.writer.samples,
+              "bytes": staged.writer.offset, "sha256": staged.writer.sha256,
+              "index_sha256": hashlib.sha256(index).hexdigest(), **staged.record}
     store.put_bytes(record_name(name), json.dumps(record, sort_keys=True, indent=1).encode())
 
 
