@@ -172,6 +172,7 @@ def _pack_shard(staging: str, results, progress: Progress) -> StagedShard:
     rejects: list[dict] = []
     class_counts: Counter = Counter()
     changes: Counter = Counter()
+    histograms = {"image_bytes": Counter(), "short_side": Counter()}
     try:
         with open(staging, "wb", buffering=1 << 20) as out:
             writer = TarShardWriter(out)
@@ -182,6 +183,8 @@ def _pack_shard(staging: str, results, progress: Progress) -> StagedShard:
                     writer.write(result["sample"])
                     class_counts[result["label"]] += 1
                     changes.update(result["changes"])
+                    for name, counter in histograms.items():
+                        counter[power_of_two_band(result[name])] += 1
                 progress.update(1, result.get("bytes", 0))
             writer.close()
     except BaseException:
@@ -189,7 +192,8 @@ def _pack_shard(staging: str, results, progress: Progress) -> StagedShard:
             os.unlink(staging)
         raise
     record = {"class_counts": {str(k): v for k, v in sorted(class_counts.items())},
-              "normalised": dict(sorted(changes.items())), "rejects": rejects}
+              "normalised": dict(sorted(changes.items())), "rejects": rejects,
+              **{name: {str(k): v for k, v in sorted(c.items())} for name, c in histograms.items()}}
     return StagedShard(staging, writer, record)
 
 
@@ -209,6 +213,11 @@ def _publish_shard(store, name: str, staged: StagedShard) -> None:
               "bytes": staged.writer.offset, "sha256": staged.writer.sha256,
               "index_sha256": hashlib.sha256(index).hexdigest(), **staged.record}
     store.put_bytes(record_name(name), json.dumps(record, sort_keys=True, indent=1).encode())
+
+
+def power_of_two_band(value: int) -> int:
+    """The histogram band of a value: the largest power of two not above it (0 for 0)."""
+    return 1 << (value.bit_length() - 1) if value > 0 else 0
 
 
 def _process_item(item: PlanItem, *, opts: ImageOptions, classes: tuple[str, ...]) -> dict:
@@ -236,4 +245,5 @@ def _process_item(item: PlanItem, *, opts: ImageOptions, classes: tuple[str, ...
         info["meta"] = item.meta
     sample = {"__key__": item.key, encoded.ext: encoded.data, "cls": str(item.label).encode(),
               "json": json.dumps(info, sort_keys=True).encode()}
-    return {"sample": sample, "label": item.label, "changes": encoded.changes, "bytes": len(data)}
+    return {"sample": sample, "label": item.label, "changes": encoded.changes, "bytes": len(data),
+            "image_bytes": len(encoded.data), "short_side": min(encoded.width, encoded.height)}

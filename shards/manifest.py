@@ -24,6 +24,7 @@ REJECTS_NAME = "rejects.jsonl"
 DUPLICATES_NAME = "duplicates.jsonl"
 PLAN_NAME = "_work/plan.json.gz"
 RECORDS_DIR = "_work/shards"
+HISTOGRAMS = ("image_bytes", "short_side")
 
 
 class ManifestError(ValueError):
@@ -50,9 +51,12 @@ def merge(store, plan: Plan, command: str) -> dict:
     rejects = [r for record in records for r in record["rejects"]]
     class_counts: Counter = Counter()
     normalised: Counter = Counter()
+    histograms = {name: Counter() for name in HISTOGRAMS}
     for record in records:
         class_counts.update({int(k): v for k, v in record["class_counts"].items()})
         normalised.update(record["normalised"])
+        for name, counter in histograms.items():
+            counter.update({int(k): v for k, v in record[name].items()})
     samples = sum(r["samples"] for r in records)
     totals = {
         "inputs": plan.inputs, "samples": samples, "rejected": len(rejects),
@@ -68,6 +72,8 @@ def merge(store, plan: Plan, command: str) -> dict:
         "totals": totals,
         "rejects_by_reason": dict(sorted(Counter(r["reason"] for r in rejects).items())),
         "normalised": dict(sorted(normalised.items())),
+        # Samples per power-of-two band: key 65536 counts images of 64-128 KiB (0 when not validated).
+        "histograms": {name: {str(k): v for k, v in sorted(c.items())} for name, c in histograms.items()},
         "shards": [{k: r[k] for k in ("name", "index", "samples", "bytes", "sha256", "index_sha256")}
                    for r in records],
     }

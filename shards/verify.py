@@ -126,7 +126,10 @@ def info(dest: str) -> str:
         f"shard sizes  min {_human(sizes[0] if sizes else 0)}, median {_human(statistics.median(sizes) if sizes else 0)},"
         f" max {_human(sizes[-1] if sizes else 0)}",
     ]
-    lines += ["size histogram (shards per size band):"] + _histogram(sizes)
+    lines += ["shard size histogram:"] + _histogram(sizes)
+    lines += ["image size histogram (samples per band):"] + _bands(manifest["histograms"]["image_bytes"], _human)
+    lines += ["shorter side histogram (samples per band):"] + _bands(manifest["histograms"]["short_side"],
+                                                                     lambda v: f"{v:.0f} px")
     if manifest["rejects_by_reason"]:
         lines.append("rejected by reason: " + ", ".join(f"{k} {v}" for k, v in manifest["rejects_by_reason"].items()))
     if manifest["normalised"]:
@@ -145,6 +148,15 @@ def _histogram(values: list[int], bands: int = 8) -> list[str]:
     peak = max(counts)
     return [f"  {_human(low + i * width):>10} - {_human(low + (i + 1) * width):>10} {c:6d} {'#' * round(30 * c / peak)}"
             for i, c in enumerate(counts) if c]
+
+
+def _bands(counts: dict[str, int], show) -> list[str]:
+    """Power-of-two bands from the manifest: band k holds values from k to 2k - 1."""
+    if not counts or set(counts) == {"0"}:
+        return ["  (not recorded: shards packed with --no-validate)"] if counts else ["  (no samples)"]
+    peak = max(counts.values())
+    return [f"  {show(int(k)):>10} - {show(2 * int(k)):>10} {v:6d} {'#' * round(30 * v / peak)}"
+            for k, v in sorted(counts.items(), key=lambda kv: int(kv[0]))]
 
 
 def _human(n: float) -> str:

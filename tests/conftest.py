@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -31,6 +33,24 @@ def vitforge(*args: str, env: dict | None = None, check: bool = True, timeout: f
 def tree_bytes(root: Path) -> dict[str, bytes]:
     """Every file under root (relative path -> bytes): the whole output, compared byte for byte."""
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def dataset_samples(out: Path) -> list[dict]:
+    """Every sample of a sharded dataset, read with tarfile: key, info (json), cls, ext, image bytes."""
+    manifest = json.loads((out / "dataset.json").read_text())
+    samples = []
+    for shard in manifest["shards"]:
+        with tarfile.open(out / shard["name"]) as tar:
+            members = {m.name: tar.extractfile(m).read() for m in tar if m.isfile()}
+        by_key: dict[str, dict] = {}
+        for name, data in members.items():
+            key, ext = name.split(".", 1)
+            by_key.setdefault(key, {"key": key})[ext] = data
+        for key, sample in by_key.items():
+            ext = next(e for e in ("jpg", "png", "webp") if e in sample)
+            samples.append({"key": key, "info": json.loads(sample["json"]), "cls": int(sample["cls"]),
+                            "ext": ext, "image_bytes": sample[ext]})
+    return samples
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, tree_bytes, vitforge
+from conftest import REPO, dataset_samples, tree_bytes, vitforge
 
 
 def shard(src, dest, *extra, env=None):
@@ -35,18 +35,12 @@ def test_happy_path_layout_manifest_and_labels(small_corpus, tmp_path):
         assert (out / shard_info["index"]).exists()
     labels_by_class = {}
     keys = []
-    for shard_info in manifest["shards"]:
-        with tarfile.open(out / shard_info["name"]) as tar:
-            members = {m.name: tar.extractfile(m).read() for m in tar if m.isfile()}
-        for name, data in members.items():
-            key, ext = name.split(".", 1)
-            if ext == "json":
-                info = json.loads(data)
-                keys.append(key)
-                assert members[f"{key}.cls"] == str(info["label"]).encode()
-                folder = Path(info["source"]).parent.name
-                labels_by_class.setdefault(folder, set()).add(info["label"])
-                assert info["sha256"] and info["width"] > 0
+    for sample in dataset_samples(out):
+        info = sample["info"]
+        keys.append(sample["key"])
+        assert sample["cls"] == info["label"]
+        labels_by_class.setdefault(Path(info["source"]).parent.name, set()).add(info["label"])
+        assert info["sha256"] and info["width"] > 0
     assert labels_by_class == {f"class_{i:02d}": {i} for i in range(5)}
     assert len(keys) == len(set(keys)) == 120
     # Globally shuffled: the first shard mixes classes.
@@ -190,7 +184,13 @@ def test_info_summarises(small_corpus, tmp_path):
     assert "120 in 8 shards" in text
     assert "120 = 120 packed + 0 rejected + 0 duplicates" in text
     assert "classes      5; samples per class min 24, median 24, max 24" in text
-    assert "size histogram" in text
+    assert "shard size histogram" in text and "image size histogram" in text
+    manifest = json.loads((out / "dataset.json").read_text())
+    for name in ("image_bytes", "short_side"):
+        bands = {int(k): v for k, v in manifest["histograms"][name].items()}
+        assert sum(bands.values()) == 120 and all(k & (k - 1) == 0 and k > 0 for k in bands)
+    # The generated images are 64x48 +-10%: their shorter sides fall in the 32-63 px band.
+    assert manifest["histograms"]["short_side"] == {"32": 120}
 
 
 def test_dedup_reports_duplicates(small_corpus, tmp_path):
@@ -239,3 +239,40 @@ def test_no_temporaries_left_behind(small_corpus, tmp_path):
     leftovers = [p for p in out.rglob("*") if "partial" in p.name or p.name == "tmp"]
     assert leftovers == []
     assert sorted(os.listdir(out / "_work")) == ["plan.json.gz", "shards"]
+
+
+def _children(pid: int) -> set[int]:
+    found = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found |= {int(c) for c in (task / "children").read_text().split()}
+    return found
+
+
+def test_kill_9_leaves_no_worker_processes(tmp_path):
+    from vitforge.synthetic import write_class_folders
+
+    src = tmp_path / "src"
+    write_class_folders(str(src), num_classes=4, per_class=150, size=(320, 240))
+    process = subprocess.Popen([sys.executable, "-m", "vitforge", "shard", str(src), str(tmp_path / "out"),
+                                "--workers", "2", "--shard-samples", "50"], cwd=REPO,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    workers: set[int] = set()
+    deadline = time.monotonic() + 60
+    while len(workers) < 2 and process.poll() is None and time.monotonic() < deadline:
+        workers |= _children(process.pid)
+        time.sleep(0.01)
+    assert len(workers) >= 2, "the workers never started"
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    deadline = time.monotonic() + 10
+    while any(map(_running, workers)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [w for w in workers if _running(w)] == []
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie waiting to be reaped."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

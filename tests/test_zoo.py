@@ -7,7 +7,6 @@ import io
 import json
 import os
 import shutil
-import tarfile
 
 import numpy as np
 import pyarrow as pa
@@ -15,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from conftest import vitforge
+from conftest import dataset_samples, vitforge
 from zoo import NON_UTF8_NAME, good_pixels, write_zoo
 from vitforge.synthetic import jpeg_bytes
 
@@ -26,23 +25,9 @@ AS_UNPRIVILEGED = (["setpriv", "--bounding-set=-dac_override,-dac_read_search",
 
 
 def read_samples(out) -> dict[str, dict]:
-    """source file name -> {"info": json, "ext": image ext, "image": PIL image, "cls": label}."""
-    manifest = json.loads((out / "dataset.json").read_text())
-    samples = {}
-    for shard in manifest["shards"]:
-        with tarfile.open(out / shard["name"]) as tar:
-            members = {m.name: tar.extractfile(m).read() for m in tar if m.isfile()}
-        for name, data in members.items():
-            key, ext = name.split(".", 1)
-            if ext == "json":
-                info = json.loads(data)
-                image_ext = next(n.split(".", 1)[1] for n in members if n.startswith(key + ".")
-                                 and n.split(".", 1)[1] in ("jpg", "png", "webp"))
-                samples[info["source"].rsplit("/", 1)[-1]] = {
-                    "info": info, "ext": image_ext, "cls": int(members[f"{key}.cls"]),
-                    "image": Image.open(io.BytesIO(members[f"{key}.{image_ext}"])),
-                }
-    return samples
+    """source file name -> sample, with the image opened."""
+    return {sample["info"]["source"].rsplit("/", 1)[-1]: {**sample, "image": Image.open(io.BytesIO(sample["image_bytes"]))}
+            for sample in dataset_samples(out)}
 
 
 @pytest.fixture

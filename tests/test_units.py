@@ -1,0 +1,84 @@
+"""Property tests of the small pieces: tar writing, DALI index, shard planning."""
+
+from __future__ import annotations
+
+import io
+import random
+import tarfile
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shards.plan import SAMPLE_OVERHEAD, make_plan
+from shards.sources import Corpus, SourceRecord
+from shards.tarfile_writer import FIXED_MTIME, TarShardWriter, _header, index_path_for
+
+keys = st.text("0123456789abcdefghij_-", min_size=1, max_size=20)
+member_data = st.binary(max_size=3000)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(keys, member_data, member_data), min_size=1, max_size=8, unique_by=lambda t: t[0]))
+def test_written_tar_reads_back_and_index_points_at_the_data(samples):
+    out = io.BytesIO()
+    writer = TarShardWriter(out)
+    for key, image, label in samples:
+        writer.write({"__key__": key, "jpg": image, "cls": label})
+    writer.close()
+    data = out.getvalue()
+    assert len(data) % 10240 == 0 and writer.offset == len(data)
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        members = [(m.name, tar.extractfile(m).read(), m.mtime) for m in tar]
+    assert members == [(f"{k}.{e}", d, FIXED_MTIME) for k, i, c in samples for e, d in (("jpg", i), ("cls", c))]
+    lines = writer.dali_index().decode().splitlines()
+    assert lines[0] == f"v1.2 {len(samples)}"
+    for line, (key, image, label) in zip(lines[1:], samples):
+        fields = line.split(" ")
+        for (ext, offset, size, name), expected in zip(zip(*[iter(fields)] * 4), (image, label)):
+            assert name.startswith(key + ".") and ext == name.split(".", 1)[1]
+            assert data[int(offset):int(offset) + int(size)] == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text("abcdefghijklmnopqrstuvwxyz0123456789._-", min_size=1, max_size=100), st.integers(0, 8**11 - 1))
+def test_header_template_equals_tarfile(name, size):
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode, info.uid, info.gid, info.uname, info.gname = size, FIXED_MTIME, 0o644, 0, 0, "", ""
+    assert _header(name, size) == info.tobuf(format=tarfile.USTAR_FORMAT)
+
+
+def test_key_with_dot_is_refused():
+    with pytest.raises(ValueError, match="'a.b'"):
+        TarShardWriter(io.BytesIO()).write({"__key__": "a.b", "jpg": b""})
+
+
+def test_index_name_follows_wds2idx():
+    assert index_path_for("train-000001.tar") == "train-000001.idx"
+    assert index_path_for("a/b.c/train-000001.tar") == "a/b.c/train-000001.idx"
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(0, 5000), min_size=1, max_size=200), st.integers(0, 3),
+       st.one_of(st.none(), st.integers(1, 20)), st.one_of(st.none(), st.integers(3000, 40000)))
+def test_plan_respects_limits_and_ignores_listing_order(sizes, seed, per_shard, shard_bytes):
+    if per_shard is None and shard_bytes is None:
+        per_shard = 7
+    records = [SourceRecord(f"/data/c/{i}.jpg", i % 3, size) for i, size in enumerate(sizes)]
+    plan = make_plan(Corpus(records, ["a", "b", "c"]), {}, seed=seed, shard_bytes=shard_bytes,
+                     shard_samples=per_shard, dedup=False)
+    shuffled = records[:]
+    random.Random(seed).shuffle(shuffled)
+    again = make_plan(Corpus(shuffled, ["a", "b", "c"]), {}, seed=seed, shard_bytes=shard_bytes,
+                      shard_samples=per_shard, dedup=False)
+    assert plan.to_bytes() == again.to_bytes()
+    assert sorted(item.source for shard in plan.shards for item in shard) == sorted(r.source for r in records)
+    size_of = {r.source: r.size + SAMPLE_OVERHEAD for r in records}
+    for shard in plan.shards:
+        assert shard
+        if per_shard:
+            assert len(shard) <= per_shard
+        if shard_bytes and len(shard) > 1:
+            assert sum(size_of[item.source] for item in shard) <= shard_bytes
+    keys = [item.key for shard in plan.shards for item in shard]
+    assert keys == sorted(keys) and len(set(keys)) == len(keys)
