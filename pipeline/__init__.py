@@ -1,1 +1,13 @@
-"""Loaders from shards to device batches (DALI / torch backends). Built in issue 3; nothing here yet."""
+"""Loaders from shards to device batches: DALI (GPU mixed or CPU decode), torch, or synthetic.
+
+Every rank gets the same number of batches; the epoch order is a function of (seed, epoch);
+the state is a position that resumes exactly, at any world size.
+"""
+
+from .index import DatasetError, DatasetIndex, load_index
+from .loader import Loader, build_loader, choose_backend
+from .reader import IGNORE_LABEL
+from .spec import BACKENDS, LoaderSpec
+
+__all__ = ["BACKENDS", "DatasetError", "DatasetIndex", "IGNORE_LABEL", "Loader", "LoaderSpec", "build_loader",
+           "choose_backend", "load_index"]

@@ -1,0 +1,129 @@
+"""Where every sample lives: shard, byte range of its image and label, from the DALI index files.
+
+With offsets known up front, a loader reads exactly the samples it wants, in the order it wants,
+without scanning tars: that is what makes the epoch order ours (deterministic, equal per rank,
+resumable to the sample) instead of a property of a streaming reader.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import tarfile
+from dataclasses import dataclass
+
+import fsspec
+import numpy as np
+from braceexpand import braceexpand
+
+from shards import index_path_for, open_store, read_manifest
+
+log = logging.getLogger("vitforge.pipeline")
+IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+
+
+class DatasetError(ValueError):
+    pass
+
+
+@dataclass
+class DatasetIndex:
+    shard_urls: list[str]
+    shard: np.ndarray  # int32, per sample
+    start: np.ndarray  # int64: first byte of the range holding the image and the label
+    length: np.ndarray  # int64: bytes in that range
+    image_at: np.ndarray  # int64: image offset within the range
+    image_len: np.ndarray  # int64
+    label_at: np.ndarray  # int64
+    label_len: np.ndarray  # int64
+    keys: list[str]
+    num_classes: int | None  # from dataset.json; None for shards made elsewhere
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+def load_index(dataset: str) -> DatasetIndex:
+    """`dataset`: a folder or s3:// prefix with dataset.json, or tar paths (a glob or
+    `{000000..000099}` braces) made by any WebDataset writer, with or without .idx files."""
+    if dataset.rstrip("/").endswith(".tar") or any(c in dataset for c in "*?{"):
+        urls = _expand(dataset)
+        if not urls:
+            raise DatasetError(f"{dataset}: no tar files match")
+        return _build(urls, [_index_text(u) for u in urls], None)
+    store = open_store(dataset)
+    manifest = read_manifest(store)
+    urls = [store.url(s["name"]) for s in manifest["shards"]]
+    texts = [store.get_bytes(s["index"]).decode() for s in manifest["shards"]]
+    index = _build(urls, texts, manifest["num_classes"])
+    if len(index) != manifest["totals"]["samples"]:
+        raise DatasetError(f"{dataset}: index files list {len(index)} samples, dataset.json says "
+                           f"{manifest['totals']['samples']}")
+    return index
+
+
+def _expand(pattern: str) -> list[str]:
+    urls = []
+    for path in braceexpand(pattern):
+        is_glob = "://" not in path and any(c in path for c in "*?[")
+        urls += glob.glob(path) if is_glob else [path]
+    return sorted(set(urls))
+
+
+def _index_text(url: str) -> str:
+    idx = index_path_for(url)
+    try:
+        with fsspec.open(idx, "rt") as f:
+            return f.read()
+    except FileNotFoundError:
+        pass
+    if "://" in url:
+        raise DatasetError(f"{url}: no index file {idx}; make one with DALI's `wds2idx` (scanning remote tars is slow)")
+    log.info("%s: no index file, scanning the tar", url)
+    lines = []
+    with tarfile.open(url, "r:") as tar:
+        for member in tar:
+            if member.isfile():
+                lines.append(f"{member.name.split('.', 1)[1]} {member.offset_data} {member.size} {member.name}")
+    # Group consecutive members by key, as wds2idx does.
+    grouped: list[list[str]] = []
+    last = None
+    for line in lines:
+        key = line.rsplit(" ", 1)[1].split(".", 1)[0]
+        if key != last:
+            grouped.append([])
+            last = key
+        grouped[-1].append(line)
+    return f"v1.2 {len(grouped)}\n" + "".join(" ".join(g) + "\n" for g in grouped)
+
+
+def _build(urls: list[str], texts: list[str], num_classes: int | None) -> DatasetIndex:
+    columns: dict[str, list[int]] = {k: [] for k in ("shard", "start", "length", "image_at", "image_len",
+                                                     "label_at", "label_len")}
+    keys: list[str] = []
+    for shard, (url, text) in enumerate(zip(urls, texts)):
+        lines = text.splitlines()
+        if not lines or not lines[0].startswith("v1."):
+            raise DatasetError(f"{index_path_for(url)}: not a DALI index file")
+        for n, line in enumerate(lines[1:], 2):
+            fields = line.split(" ")
+            members = {fields[i]: (int(fields[i + 1]), int(fields[i + 2]), fields[i + 3])
+                       for i in range(0, len(fields) - 3, 4)}
+            image_ext = next((e for e in IMAGE_EXTS if e in members), None)
+            if image_ext is None or "cls" not in members:
+                raise DatasetError(f"{index_path_for(url)}:{n}: sample has no image or no .cls member")
+            (image_off, image_len, name), (label_off, label_len, _) = members[image_ext], members["cls"]
+            start = min(image_off, label_off)
+            columns["shard"].append(shard)
+            columns["start"].append(start)
+            columns["length"].append(max(image_off + image_len, label_off + label_len) - start)
+            columns["image_at"].append(image_off - start)
+            columns["image_len"].append(image_len)
+            columns["label_at"].append(label_off - start)
+            columns["label_len"].append(label_len)
+            keys.append(f"{os.path.basename(url)}:{name.split('.', 1)[0]}")
+    arrays = {k: np.asarray(v, dtype=np.int32 if k == "shard" else np.int64) for k, v in columns.items()}
+    if not keys:
+        raise DatasetError("the dataset has no samples")
+    return DatasetIndex(urls, keys=keys, num_classes=num_classes, **arrays)

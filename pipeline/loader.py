@@ -1,0 +1,142 @@
+"""`build_loader`: the one entry point the trainer uses, whatever the backend.
+
+A Loader yields one epoch per `iter()`, as dicts {"image": N,3,S,S on the device, "label": int64
+(-1 = ignore), "key": "SHARD.tar:KEY" per sample, "bad": keys replaced}. Its state is (epoch, consumed): how many positions of the
+epoch's global order all ranks together have taken. That is the same number on every rank, so
+any rank's state restores all of them, at the same or another world size or batch size.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from .index import DatasetIndex, load_index
+from .order import RankSlice
+from .spec import LoaderSpec
+
+log = logging.getLogger("vitforge.pipeline")
+STATE_VERSION = 1
+
+
+class SyntheticBackend:
+    """Fixed random tensors already on the device: the trainer measured without any I/O."""
+
+    name = "synthetic"
+
+    def __init__(self, spec: LoaderSpec, num_classes: int, device: torch.device):
+        generator = torch.Generator().manual_seed(spec.seed)
+        shape = (spec.batch_size, 3, spec.image_size, spec.image_size)
+        self.images = torch.randn(shape, generator=generator).to(device, getattr(torch, spec.dtype))
+        self.labels = torch.randint(0, num_classes, (spec.batch_size,), generator=generator).to(device)
+
+    def batches(self, epoch: int, rank_slice: RankSlice):
+        for _ in range(rank_slice.num_batches):
+            yield {"image": self.images, "label": self.labels, "key": [], "bad": []}
+
+
+def choose_backend(spec: LoaderSpec, device: torch.device) -> tuple[str, str]:
+    """(backend, why): auto prefers DALI mixed decode, then DALI on the CPU, then torch."""
+    if spec.backend != "auto":
+        return spec.backend, "asked for"
+    try:
+        import nvidia.dali  # noqa: F401
+    except ImportError as e:
+        return "torch", f"DALI is not installed ({e})"
+    if device.type == "cuda":
+        return "dali", "DALI is installed and the device is a GPU: mixed (nvJPEG) decoding"
+    return "dali-cpu", "DALI is installed but the device is not a GPU: DALI CPU decoding"
+
+
+class Loader:
+    def __init__(self, spec: LoaderSpec, index: DatasetIndex | None, backend, rank: int, world_size: int,
+                 num_samples: int):
+        self.spec, self.index, self.backend = spec, index, backend
+        self.rank, self.world_size, self.num_samples = rank, world_size, num_samples
+        self.epoch = 0
+        self.consumed = 0
+        self.images = 0
+        self.wait_seconds = 0.0
+        self.started: float | None = None
+        self.bad_keys: list[str] = []
+
+    def __len__(self) -> int:
+        """Batches left in the current epoch (the same on every rank)."""
+        return self._slice().num_batches
+
+    def _slice(self) -> RankSlice:
+        return RankSlice(self.num_samples, self.consumed, self.rank, self.world_size, self.spec.batch_size,
+                         self.spec.epoch_end)
+
+    def __iter__(self):
+        rank_slice = self._slice()
+        step = self.world_size * self.spec.batch_size
+        batches = self.backend.batches(self.epoch, rank_slice)
+        while True:
+            asked = time.perf_counter()
+            if self.started is None:
+                self.started = asked
+            try:
+                batch = next(batches)
+            except StopIteration:
+                break
+            self.wait_seconds += time.perf_counter() - asked
+            self.consumed += step
+            self.images += len(batch["label"])
+            self.bad_keys += batch["bad"]
+            yield batch
+        self.epoch += 1
+        self.consumed = 0
+
+    def state_dict(self) -> dict:
+        return {"version": STATE_VERSION, "epoch": self.epoch, "consumed": self.consumed, "seed": self.spec.seed,
+                "num_samples": self.num_samples, "world_size": self.world_size,
+                "batch_size": self.spec.batch_size}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"loader state version {state.get('version')} is not {STATE_VERSION}")
+        for name in ("seed", "num_samples"):
+            mine = self.spec.seed if name == "seed" else self.num_samples
+            if state[name] != mine:
+                raise ValueError(f"loader state has {name}={state[name]}, this loader has {mine}: "
+                                 "a different dataset or seed cannot resume this position")
+        if (state["world_size"], state["batch_size"]) != (self.world_size, self.spec.batch_size):
+            log.info("resuming at %d ranks x %d per batch a position saved at %d x %d: exact, from position %d",
+                     self.world_size, self.spec.batch_size, state["world_size"], state["batch_size"],
+                     state["consumed"])
+        self.epoch, self.consumed = state["epoch"], state["consumed"]
+
+    def stats(self) -> dict:
+        elapsed = time.perf_counter() - self.started if self.started else 0.0
+        return {"backend": self.backend.name, "images": self.images,
+                "images_per_s": self.images / elapsed if elapsed else 0.0,
+                "data_wait_fraction": self.wait_seconds / elapsed if elapsed else 0.0,
+                "bad_samples": len(self.bad_keys)}
+
+
+def build_loader(spec: LoaderSpec, rank: int = 0, world_size: int = 1,
+                 device: torch.device | str = "cpu", synthetic_samples: int = 1_281_167,
+                 synthetic_classes: int = 1000) -> Loader:
+    """A loader for one rank. For the synthetic backend `spec.dataset` is ignored."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
+    device = torch.device(device)
+    name, why = choose_backend(spec, device)
+    log.info("loader backend: %s (%s)", name, why)
+    if name == "synthetic":
+        backend = SyntheticBackend(spec, synthetic_classes, device)
+        return Loader(spec, None, backend, rank, world_size, synthetic_samples)
+    index = load_index(spec.dataset)
+    if name in ("dali", "dali-cpu"):
+        from .dali_backend import DaliBackend
+
+        backend = DaliBackend(spec, index, device, mixed=name == "dali" and device.type == "cuda")
+    else:
+        from .torch_backend import TorchBackend
+
+        backend = TorchBackend(spec, index, device)
+    return Loader(spec, index, backend, rank, world_size, len(index))
+

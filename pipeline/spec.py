@@ -1,0 +1,51 @@
+"""What a loader is asked to produce: one validated description shared by every backend."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+BACKENDS = ("auto", "dali", "dali-cpu", "torch", "synthetic")
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+@dataclass(frozen=True)
+class LoaderSpec:
+    dataset: str  # folder or s3:// prefix holding dataset.json (made by `vitforge shard`)
+    batch_size: int  # per rank
+    image_size: int = 224
+    train: bool = True  # random-resized-crop + flip; False: resize shorter side, centre crop
+    backend: str = "auto"
+    seed: int = 0
+    # How every rank gets the same number of batches: "pad" repeats samples from the start of the
+    # epoch's order (in eval they carry label -1 so metrics skip them); "drop" leaves the remainder out.
+    epoch_end: str = "pad"
+    scale: tuple[float, float] = (0.08, 1.0)  # random-resized-crop area fraction (Inception / ViT recipe)
+    ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    flip: bool = True
+    eval_crop_fraction: float = 0.875  # eval: resize shorter side to image_size / 0.875, centre crop
+    mean: tuple[float, float, float] = IMAGENET_MEAN
+    std: tuple[float, float, float] = IMAGENET_STD
+    dtype: str = "float32"  # or "bfloat16"
+    shuffle_window: int = 16384  # samples mixed across shards beyond the shard-level shuffle
+    workers: int = 2  # decode processes (torch) or CPU threads (DALI)
+    hw_decoder_load: float = 0.65  # DALI mixed decode: share of JPEGs sent to the A100/H100 hardware decoder
+    prefetch: int = 2  # batches read ahead
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, not {self.backend!r}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, not {self.batch_size}")
+        if self.image_size < 8:
+            raise ValueError(f"image_size must be >= 8, not {self.image_size}")
+        if self.epoch_end not in ("pad", "drop"):
+            raise ValueError(f"epoch_end must be 'pad' or 'drop', not {self.epoch_end!r}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'float32' or 'bfloat16', not {self.dtype!r}")
+        if not 0 < self.scale[0] <= self.scale[1] <= 1:
+            raise ValueError(f"scale must satisfy 0 < min <= max <= 1, not {self.scale}")
+        if not 0 < self.ratio[0] <= self.ratio[1]:
+            raise ValueError(f"ratio must satisfy 0 < min <= max, not {self.ratio}")
+        if not 0 < self.eval_crop_fraction <= 1:
+            raise ValueError(f"eval_crop_fraction must be in (0, 1], not {self.eval_crop_fraction}")
