@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench lock clean system-packages
+.PHONY: setup demo test bench lock clean system-packages gpu-wheels
 
 setup: $(STAMP)
 
@@ -30,6 +30,14 @@ test: setup system-packages
 
 bench: setup
 	$(PY) benchmarks/shard_bench.py
+	$(PY) benchmarks/loader_bench.py
+
+# Small wheels benchmarks/gpu_check.sh installs on the GPU machine, which has no network.
+gpu-wheels:
+	for v in 3.10 3.11 3.12 3.13; do \
+		$(PIP) download --quiet --only-binary=:all: --no-deps --python-version $$v -d benchmarks/wheels \
+			simplejpeg==1.9.0 fsspec==2026.9.0 braceexpand==0.1.7 webdataset==1.0.2; \
+	done
 
 lock:
 	rm -rf /tmp/vitforge-lock && $(PYTHON) -m venv /tmp/vitforge-lock

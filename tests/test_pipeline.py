@@ -279,3 +279,19 @@ def test_bad_spec_values_are_named():
                          ({"epoch_end": "wrap"}, "epoch_end"), ({"scale": (0.5, 0.1)}, "scale")]:
         with pytest.raises(ValueError, match=word):
             LoaderSpec("x", **{"batch_size": 1, **kwargs})
+
+
+def test_torch_worker_processes_keep_the_order(dataset):
+    single = run_epoch(build_loader(spec(dataset, backend="torch", workers=0)))
+    multi = run_epoch(build_loader(spec(dataset, backend="torch", workers=2)))
+    assert [k for k, _, _ in single] == [k for k, _, _ in multi]
+    assert all(torch.equal(a, b) for (_, _, a), (_, _, b) in zip(single, multi))
+
+
+def test_loader_bench_cli(dataset):
+    result = vitforge("loader-bench", dataset, "--backend", "dali-cpu", "--batch", "8", "--steps", "20",
+                      "--image-size", "32", "--workers", "1")
+    assert "dali-cpu on cpu:" in result.stdout and "images/s" in result.stdout and "CPU-ms per image" in result.stdout
+    assert "loader backend: dali-cpu" in result.stderr
+    bad = vitforge("loader-bench", "/nonexistent/shards", check=False)
+    assert bad.returncode == 1 and "no dataset manifest" in bad.stderr and "Traceback" not in bad.stderr

@@ -12,8 +12,9 @@ vitforge {__version__}
 usage: vitforge COMMAND [ARGS]
 
 commands:
-  shard     pack images into validated WebDataset shards (also: shard merge | verify | info)
-  demo      generate a small learnable corpus, shard it, verify it, print the report
+  shard          pack images into validated WebDataset shards (also: shard merge | verify | info)
+  loader-bench   measure a loader backend (DALI / torch) on your shards
+  demo           generate a small learnable corpus, shard it, verify it, print the report
 
 'vitforge COMMAND --help' describes each command."""
 
@@ -31,6 +32,10 @@ def main(argv: list[str] | None = None) -> int:
         from shards.cli import main as shard_main
 
         return shard_main(rest)
+    if command == "loader-bench":
+        from pipeline.cli import main as loader_bench_main
+
+        return loader_bench_main(rest)
     if command == "demo":
         from .demo import main as demo_main
 

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The project's one GPU check: a single H200 machine with torch, torchvision, triton and timm but no
+# network. At most 8 minutes. Prints every figure; with VITFORGE_GPU_OUT set, also writes them there.
+# Small wheels it needs come from benchmarks/wheels/ (git-ignored; `make gpu-wheels` fills it).
+# Sections are added by the issues that have a GPU goal:
+#   loader (issue 3): GPU JPEG decode feeding 224 px batches (torchvision nvJPEG as the DALI stand-in)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+OUT="${VITFORGE_GPU_OUT:-}"
+[ -n "$OUT" ] && mkdir -p "$OUT"
+
+echo "== machine"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+python -c "import torch, torchvision; print('torch', torch.__version__, 'torchvision', torchvision.__version__, 'cuda', torch.version.cuda)"
+
+echo "== wheels"
+if [ -d benchmarks/wheels ]; then
+    python -m pip install --quiet --no-index --find-links benchmarks/wheels simplejpeg fsspec braceexpand \
+        webdataset 2>&1 | tail -3
+else
+    echo "benchmarks/wheels missing: run 'make gpu-wheels' on a machine with network, then carry it"
+fi
+
+status=0
+echo "== loader (issue 3)"
+timeout 240 python benchmarks/gpu_loader_check.py --device cuda ${OUT:+--out "$OUT"} || status=1
+exit $status

@@ -1,0 +1,72 @@
+"""`vitforge loader-bench`: how fast a loader backend feeds batches from your own shards."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import resource
+import sys
+import time
+
+import torch
+
+from .index import DatasetError
+from .loader import build_loader
+from .spec import BACKENDS, LoaderSpec
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process and its finished children (DataLoader workers are joined per epoch)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def measure(spec: LoaderSpec, steps: int, warmup: int, device: str) -> dict:
+    """Images/s and CPU-seconds per image over `steps` batches after `warmup` batches."""
+    loader = build_loader(spec, device=device)
+    done, start, cpu_start = 0, None, None
+    while done < warmup + steps:
+        for batch in loader:
+            if done == warmup:
+                if device.startswith("cuda"):
+                    torch.cuda.synchronize()
+                start, cpu_start = time.perf_counter(), cpu_seconds()
+            done += 1
+            if done == warmup + steps:
+                break
+        del batch
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    del loader  # ends the DataLoader workers, so their CPU time is counted
+    elapsed, cpu = time.perf_counter() - start, cpu_seconds() - cpu_start
+    images = steps * spec.batch_size
+    return {"images_per_s": images / elapsed, "cpu_ms_per_image": 1000 * cpu / images,
+            "images_per_cpu_s": images / cpu if cpu else float("inf"), "seconds": elapsed}
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="vitforge loader-bench", description=__doc__)
+    p.add_argument("dataset", help="folder or s3:// prefix with dataset.json, or tar paths ('shards-{0..9}.tar')")
+    p.add_argument("--backend", choices=BACKENDS, default="auto")
+    p.add_argument("--batch", type=int, default=64, help="batch size (default 64)")
+    p.add_argument("--steps", type=int, default=50, help="timed batches (default 50)")
+    p.add_argument("--warmup", type=int, default=5, help="batches before timing starts (default 5)")
+    p.add_argument("--image-size", type=int, default=224)
+    p.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)),
+                   help="decode processes (torch) or threads (DALI); default: CPUs available")
+    p.add_argument("--eval", action="store_true", help="eval transform (resize + centre crop) instead of train")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    try:
+        spec = LoaderSpec(args.dataset, batch_size=args.batch, image_size=args.image_size, train=not args.eval,
+                          backend=args.backend, workers=args.workers)
+        result = measure(spec, args.steps, args.warmup, args.device)
+    except (DatasetError, ValueError, OSError) as e:
+        print(f"vitforge loader-bench: error: {e}", file=sys.stderr)
+        return 1
+    print(f"{args.backend} on {args.device}: {result['images_per_s']:.0f} images/s, "
+          f"{result['cpu_ms_per_image']:.2f} CPU-ms per image ({result['images_per_cpu_s']:.0f} images per CPU-second), "
+          f"batch {args.batch} x {args.steps} steps, {args.image_size} px, {args.workers} workers")
+    return 0
