@@ -64,7 +64,7 @@ def make_plan(corpus: Corpus, parameters: dict, *, seed: int, shard_bytes: int |
     duplicates: list[dict] = []
     if dedup:
         records, duplicates = _deduplicate(records, threads)
-    order = sorted(range(len(records)), key=lambda i: _shuffle_key(seed, records[i].source))
+    order = sorted(range(len(records)), key=lambda i: _shuffle_key(seed, records[i].name))
     shards: list[list[PlanItem]] = [[]]
     shard_size = 0
     for position, i in enumerate(order):
@@ -84,9 +84,10 @@ def make_plan(corpus: Corpus, parameters: dict, *, seed: int, shard_bytes: int |
     return Plan(fingerprint(parameters), parameters, corpus.classes, shards, duplicates, len(corpus.records))
 
 
-def _shuffle_key(seed: int, source: str) -> bytes:
-    # A keyed hash instead of random.shuffle: stable across Python versions and listing order.
-    return hashlib.blake2b(source.encode("utf-8", "surrogateescape"), key=str(seed).encode(), digest_size=16).digest()
+def _shuffle_key(seed: int, name: str) -> bytes:
+    # A keyed hash of the name within the corpus, instead of random.shuffle: stable across Python
+    # versions, listing order, and where the corpus is mounted.
+    return hashlib.blake2b(name.encode("utf-8", "surrogateescape"), key=str(seed).encode(), digest_size=16).digest()
 
 
 def _deduplicate(records: list[SourceRecord], threads: int) -> tuple[list[SourceRecord], list[dict]]:

@@ -35,6 +35,10 @@ class SourceRecord:
     size: int = 0  # bytes on the source, used to plan shard sizes; 0 when unknown
     meta: dict = field(default_factory=dict)
     problem: tuple[str, str] | None = None  # (reason, detail) when the row can never be packed
+    name: str = ""  # the source as the corpus names it (path under SRC, or the manifest's path cell)
+
+    def __post_init__(self):
+        self.name = self.name or self.source
 
 
 @dataclass
@@ -102,7 +106,7 @@ def _from_class_folders(src: str, classes: list[str] | None) -> Corpus:
     records = []
     for name in sorted(by_class):
         for rel, url, size in sorted(by_class[name]):
-            record = SourceRecord(url, ids.get(name), size)
+            record = SourceRecord(url, ids.get(name), size, name=rel.replace(os.sep, "/"))
             if record.label is None:
                 record.problem = ("label_unknown", f"class folder {display_path(name)!r} is not in the class map")
             records.append(record)
@@ -186,7 +190,7 @@ def _from_manifest(path: str, classes: list[str] | None, path_column: str, label
         source = _resolve(str(raw_path or ""), base)
         meta = {k: _jsonable(v) for k, v in row.items() if k not in (path_column, label_column)}
         label = _label_id(raw_label, ids, numeric, len(classes))
-        record = SourceRecord(source, label, 0, meta)
+        record = SourceRecord(source, label, 0, meta, name=str(raw_path or ""))
         if not raw_path:
             record.problem = ("missing_path", f"manifest row {n} has an empty {path_column!r}")
         elif label is None:

@@ -276,3 +276,15 @@ def _running(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_order_does_not_depend_on_where_the_corpus_is_mounted(small_corpus, tmp_path):
+    import shutil
+
+    moved = tmp_path / "elsewhere" / "deeper"
+    shutil.copytree(small_corpus, moved)
+    shard(small_corpus, tmp_path / "a")
+    shard(moved, tmp_path / "b")
+    relative = [[Path(s["info"]["source"]).relative_to(root).as_posix() for s in dataset_samples(out)]
+                for root, out in ((small_corpus, tmp_path / "a"), (moved, tmp_path / "b"))]
+    assert relative[0] == relative[1]
