@@ -17,7 +17,7 @@ import fsspec
 import numpy as np
 from braceexpand import braceexpand
 
-from shards import index_path_for, open_store, read_manifest
+from shards import ManifestError, index_path_for, open_store, read_manifest
 
 log = logging.getLogger("vitforge.pipeline")
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
@@ -53,7 +53,10 @@ def load_index(dataset: str) -> DatasetIndex:
             raise DatasetError(f"{dataset}: no tar files match")
         return _build(urls, [_index_text(u) for u in urls], None)
     store = open_store(dataset)
-    manifest = read_manifest(store)
+    try:
+        manifest = read_manifest(store)
+    except ManifestError as e:
+        raise DatasetError(str(e)) from None
     urls = [store.url(s["name"]) for s in manifest["shards"]]
     texts = [store.get_bytes(s["index"]).decode() for s in manifest["shards"]]
     index = _build(urls, texts, manifest["num_classes"])

@@ -14,6 +14,8 @@ usage: vitforge COMMAND [ARGS]
 commands:
   shard          pack images into validated WebDataset shards (also: shard merge | verify | info)
   loader-bench   measure a loader backend (DALI / torch) on your shards
+  train          train a ViT with DeepSpeed ZeRO from a YAML recipe (--set key=value overrides)
+  eval           evaluate a run's latest checkpoint
   demo           generate a small learnable corpus, shard it, verify it, print the report
 
 'vitforge COMMAND --help' describes each command."""
@@ -36,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
         from pipeline.cli import main as loader_bench_main
 
         return loader_bench_main(rest)
+    if command in ("train", "eval"):
+        from trainer.cli import main as trainer_main
+
+        return trainer_main(rest, evaluate=command == "eval")
     if command == "demo":
         from .demo import main as demo_main
 

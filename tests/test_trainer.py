@@ -1,0 +1,218 @@
+"""The trainer: real DeepSpeed ZeRO across 2 processes (gloo on CPU), on shards made by `vitforge shard`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, vitforge
+from trainer import PAPER_PARAMETERS, adapt_state_dict, build_model, forward_flops, load_config, parameter_count
+from vitforge.synthetic import write_class_folders
+
+# The JIT-built DeepSpeed shm op is cached with the venv: built once (about 30 s), then reused.
+EXTENSIONS = {"TORCH_EXTENSIONS_DIR": str(REPO / ".venv" / "torch_extensions"), "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """A learnable 10-class corpus: train and a held-out val set, sharded."""
+    root = tmp_path_factory.mktemp("trainer")
+    write_class_folders(str(root / "train_src"), num_classes=10, per_class=40, size=(48, 40), seed=0)
+    write_class_folders(str(root / "val_src"), num_classes=10, per_class=10, size=(48, 40), seed=1)
+    vitforge("shard", root / "train_src", root / "train", "--shard-samples", "64", "--workers", "2")
+    vitforge("shard", root / "val_src", root / "val", "--prefix", "val", "--workers", "2")
+    return root
+
+
+def train(data, run: str, *overrides: str, nproc: int = 2, check: bool = True):
+    args = ["tiny_cpu", "--set", f"data.train={data / 'train'}", "--set", f"data.val={data / 'val'}",
+            "--set", f"checkpoint.dir={data / 'runs'}", "--set", f"checkpoint.run={run}",
+            "--set", "data.backend=torch", "--set", "data.workers=0"]
+    for item in overrides:
+        args += ["--set", item]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+           str(_free_port()), "-m", "vitforge", "train", *args]
+    result = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600,
+                            env={**os.environ, **EXTENSIONS})
+    if check and result.returncode != 0:
+        raise AssertionError(f"training failed:\n{result.stderr[-4000:]}")
+    return result
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def metrics(data, run: str) -> list[dict]:
+    return [json.loads(line) for line in (data / "runs" / run / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(data, run: str) -> dict[int, float]:
+    return {m["step"]: m["loss"] for m in metrics(data, run) if "loss" in m}
+
+
+def final_weights(data, run: str) -> dict:
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    folder = data / "runs" / run
+    tag = (folder / "latest").read_text().strip()
+    return {k: v.detach() for k, v in get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=tag).items()}
+
+
+def test_parameter_counts_match_the_paper():
+    for name, paper in PAPER_PARAMETERS.items():
+        assert abs(parameter_count(name) - paper) / paper < 0.015, name
+
+
+def test_vit_h14_flops_per_image():
+    with torch.device("meta"):
+        model = build_model("vit_huge_patch14_224", 1000, 224)
+    assert abs(forward_flops(model) / 2 - 167.4e9) / 167.4e9 < 0.005
+
+
+def test_position_embeddings_interpolate_for_higher_resolution():
+    torch.manual_seed(0)
+    original = build_model("vit_small_cpu", 10, 32).eval()
+    images = torch.randn(2, 3, 32, 32)
+    state = original.state_dict()
+    same, changed = adapt_state_dict(state, build_model("vit_small_cpu", 10, 32))
+    assert changed == []
+    copy = build_model("vit_small_cpu", 10, 32).eval()
+    copy.load_state_dict(same)
+    assert torch.equal(copy(images), original(images))
+    bigger = build_model("vit_small_cpu", 7, 64).eval()
+    adapted, changed = adapt_state_dict(state, bigger)
+    assert adapted["pos_embed"].shape == (1, 1 + 8 * 8, 128) and "pos_embed 4x4 -> 8x8" in changed[0]
+    assert any("head.weight" in c for c in changed)
+    bigger.load_state_dict(adapted, strict=True)
+    assert bigger(torch.randn(2, 3, 64, 64)).shape == (2, 7)
+    # Upsampled 4x4 -> 8x8 embeddings still carry the original grid: resampled back to 4x4 they
+    # give nearly the original model's features at the original resolution.
+    from timm.layers import resample_abs_pos_embed
+
+    back = resample_abs_pos_embed(adapted["pos_embed"], new_size=(4, 4), num_prefix_tokens=1)
+    restored = build_model("vit_small_cpu", 10, 32).eval()
+    restored.load_state_dict({**state, "pos_embed": back})
+    a, b = original.forward_features(images), restored.forward_features(images)
+    assert torch.nn.functional.cosine_similarity(a.flatten(1), b.flatten(1)).min() > 0.99
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_stages_learn(data, stage):
+    train(data, f"zero{stage}", f"train.zero_stage={stage}", "train.steps=60", "train.eval_every=60",
+          "train.log_every=1")
+    history = losses(data, f"zero{stage}")
+    first, last = history[1], sum(history[s] for s in range(51, 61)) / 10
+    assert last < 0.5 * first, (first, last)
+    final = metrics(data, f"zero{stage}")[-1]
+    assert final["eval_samples"] == 100 and final["eval_top1"] > 0.5  # chance is 0.1
+
+
+def test_stages_agree_and_match_plain_pytorch(data):
+    for stage in (1, 2, 3):
+        if not (data / "runs" / f"agree{stage}").exists():
+            train(data, f"agree{stage}", f"train.zero_stage={stage}", "train.steps=6", "train.log_every=1",
+                  "data.val=null")
+    one, two, three = (losses(data, f"agree{s}") for s in (1, 2, 3))
+    assert one == two  # ZeRO-1 and ZeRO-2 compute the same thing, bit for bit on CPU
+    assert all(abs(one[s] - three[s]) < 1e-4 for s in one), (one, three)
+    reference = _plain_pytorch_losses(data, steps=6)
+    assert all(abs(one[s] - reference[s - 1]) < 1e-4 for s in one), (one, reference)
+
+
+def _plain_pytorch_losses(data, steps: int) -> list[float]:
+    """The same run without DeepSpeed: one process sees both ranks' batches."""
+    from pipeline import LoaderSpec, build_loader
+    from trainer.engine import learning_rate, make_optimizer
+    from trainer.train import masked_loss
+
+    cfg = load_config("tiny_cpu", [f"data.train={data / 'train'}", "train.steps=6"])
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg.model.name, 10, cfg.model.image_size)
+    optimizer = make_optimizer(cfg, model)
+    spec = LoaderSpec(str(data / "train"), batch_size=cfg.train.micro_batch, image_size=32, backend="torch",
+                      workers=0, seed=cfg.data.seed)
+    ranks = [iter(build_loader(spec, rank, 2)) for rank in range(2)]
+    result = []
+    for step in range(steps):
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(cfg, step)
+        optimizer.zero_grad()
+        batches = [next(r) for r in ranks]
+        loss = sum(masked_loss(model(b["image"]), b["label"]) for b in batches) / 2
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optimizer.grad_clip)
+        optimizer.step()
+        result.append(loss.item())
+    return result
+
+
+def test_resume_is_exact(data):
+    train(data, "straight", "train.steps=24", "train.log_every=1", "train.checkpoint_every=12", "data.val=null")
+    train(data, "resumed", "train.steps=24", "train.log_every=1", "train.checkpoint_every=12", "data.val=null",
+          "train.stop_at=12")
+    assert (data / "runs" / "resumed" / "latest").read_text() == "step_00000012"
+    result = train(data, "resumed", "train.steps=24", "train.log_every=1", "train.checkpoint_every=12",
+                   "data.val=null")
+    assert "resumed" in result.stderr and "at step 12" in result.stderr
+    assert losses(data, "resumed") == losses(data, "straight")
+    a, b = final_weights(data, "straight"), final_weights(data, "resumed")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    manifest = json.loads((data / "runs" / "resumed" / "step_00000024" / "manifest.json").read_text())
+    assert manifest["world_size"] == 2 and "rank1_state.pt" in manifest["files"]
+
+
+def test_gradient_accumulation_matches_a_bigger_micro_batch(data):
+    train(data, "micro8", "train.micro_batch=8", "train.global_batch=16", "train.steps=5", "train.log_every=1",
+          "data.val=null")
+    train(data, "micro4x2", "train.micro_batch=4", "train.global_batch=16", "train.steps=5", "train.log_every=1",
+          "data.val=null")
+    a, b = losses(data, "micro8"), losses(data, "micro4x2")
+    assert a.keys() == b.keys() and all(abs(a[s] - b[s]) < 1e-4 for s in a), (a, b)
+
+
+def test_eval_and_fine_tune_at_higher_resolution(data):
+    if not (data / "runs" / "zero2").exists():
+        test_zero_stages_learn(data, 2)
+    result = vitforge("eval", "tiny_cpu", "--checkpoint", data / "runs" / "zero2", "--set",
+                      f"data.train={data / 'train'}", "--set", f"data.val={data / 'val'}", "--set", "data.backend=torch",
+                      "--set", "data.workers=0", env=EXTENSIONS)
+    evaluated = json.loads(result.stdout.strip().splitlines()[-1])
+    assert evaluated["eval_top1"] == pytest.approx(metrics(data, "zero2")[-1]["eval_top1"])
+    tuned = train(data, "finetune", "model.image_size=48", "optimizer.name=sgd", "optimizer.lr=0.01",
+                  "optimizer.weight_decay=0.0", "train.ema_decay=0.99", "train.steps=4", "train.eval_every=4",
+                  f"checkpoint.init_from={data / 'runs' / 'zero2'}")
+    assert "pos_embed 4x4 -> 6x6" in tuned.stderr
+    assert metrics(data, "finetune")[-1]["eval_top1"] > 0.3
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.bogus=1", "train.bogus: unknown key"),
+    ("train.steps=many", "train.steps: Input should be a valid integer"),
+    ("train.global_batch=30", "not divisible by train.micro_batch 16 x 1 ranks"),
+    ("data.train=/nonexistent/dataset", "no dataset manifest"),
+])
+def test_config_errors_are_clear(data, override, message):
+    result = vitforge("train", "tiny_cpu", "--set", override, "--set", f"checkpoint.dir={data / 'runs'}",
+                      env=EXTENSIONS, check=False)
+    assert result.returncode == 2
+    assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_shipped_recipes_validate():
+    pretrain = load_config("vit_h14_pretrain")
+    assert pretrain.optimizer.betas == (0.9, 0.999) and pretrain.optimizer.weight_decay == 0.1
+    assert pretrain.train.global_batch == 4096 and pretrain.optimizer.warmup_steps == 10000
+    finetune = load_config("vit_h14_finetune")
+    assert finetune.model.image_size == 518 and finetune.train.ema_decay == 0.9999
+    assert finetune.optimizer.name == "sgd" and finetune.optimizer.schedule == "cosine"
+    assert pretrain.accumulation(64) == 1 and finetune.accumulation(64) == 1

@@ -1,0 +1,92 @@
+"""DeepSpeed applied from outside the model: config generation, ZeRO-3 construction, the optimizer."""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Callable
+
+import torch
+
+from .config import Config
+from .model import weight_decay_groups
+
+
+def deepspeed_config(cfg: Config, world_size: int) -> dict:
+    train = cfg.train
+    zero: dict = {"stage": train.zero_stage}
+    if train.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if train.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    if train.zero_stage == 3:
+        # Exact logits on export (DESIGN.md section 4); the memory saving is small for ViTs.
+        zero["memory_efficient_linear"] = False
+    generated = {
+        "train_batch_size": train.global_batch,
+        "train_micro_batch_size_per_gpu": train.micro_batch,
+        "gradient_accumulation_steps": cfg.accumulation(world_size),
+        "gradient_clipping": cfg.optimizer.grad_clip,
+        "zero_optimization": zero,
+        "bf16": {"enabled": train.precision == "bf16"},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+    return _merge(generated, cfg.deepspeed)
+
+
+def _merge(base: dict, override: dict) -> dict:
+    merged = copy.deepcopy(base)
+    for key, value in override.items():
+        merged[key] = _merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) \
+            else value
+    return merged
+
+
+def make_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimizer:
+    opt = cfg.optimizer
+    groups = weight_decay_groups(model, opt.weight_decay)
+    if opt.name == "sgd":
+        return torch.optim.SGD(groups, lr=opt.lr, momentum=opt.momentum)
+    return torch.optim.AdamW(groups, lr=opt.lr, betas=opt.betas)
+
+
+def learning_rate(cfg: Config, step: int) -> float:
+    """Linear warmup to the peak, then linear or cosine decay to min_lr at the last step: a pure
+    function of the step, so resuming needs no scheduler state."""
+    opt, total = cfg.optimizer, cfg.train.steps
+    if step < opt.warmup_steps:
+        return opt.lr * (step + 1) / opt.warmup_steps
+    if opt.schedule == "constant":
+        return opt.lr
+    progress = min((step - opt.warmup_steps) / max(total - opt.warmup_steps, 1), 1.0)
+    shape = 1 - progress if opt.schedule == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+    return opt.min_lr + (opt.lr - opt.min_lr) * shape
+
+
+def build_engine(cfg: Config, make_model: Callable[[], torch.nn.Module], world_size: int):
+    import deepspeed
+
+    ds_config = deepspeed_config(cfg, world_size)
+    if cfg.train.zero_stage == 3:
+        # zero.Init partitions parameters as they are created, so timm's init runs on empty shards
+        # (DESIGN.md section 4). Rank 0 builds the model normally, with the same seed as every other
+        # stage, and its values are copied into the partitions: ZeRO-3 starts from the same weights.
+        import torch.distributed as dist
+
+        reference = make_model() if dist.get_rank() == 0 else None
+        with deepspeed.zero.Init(config_dict_or_path=ds_config):
+            model = make_model()
+        sources = dict(reference.named_parameters()) if reference is not None else {}
+        for name, param in model.named_parameters():
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+                if reference is not None:
+                    param.data.copy_(sources[name].data)
+        del reference
+    else:
+        model = make_model()
+    if cfg.model.grad_checkpointing:
+        model.set_grad_checkpointing(True)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=make_optimizer(cfg, model), config=ds_config)
+    return engine

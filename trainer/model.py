@@ -1,0 +1,87 @@
+"""timm Vision Transformers: construction, parameter counts, FLOPs, and fine-tuning surgery.
+
+Model code here knows nothing of DeepSpeed, devices or files: the engine applies parallelism from
+outside, checkpoint code does I/O.
+"""
+
+from __future__ import annotations
+
+import math
+
+import timm
+import torch
+from timm.layers import resample_abs_pos_embed
+from timm.models.vision_transformer import VisionTransformer
+
+# Tiny configurations for CPU tests and demos, built like the real ones.
+TINY_MODELS = {
+    "vit_tiny_cpu": dict(patch_size=8, embed_dim=64, depth=2, num_heads=2, mlp_ratio=2.0),
+    "vit_small_cpu": dict(patch_size=8, embed_dim=128, depth=4, num_heads=4, mlp_ratio=4.0),
+}
+# The ViT paper's Table 1: parameter counts the timm configurations must match.
+PAPER_PARAMETERS = {"vit_base_patch16_224": 86e6, "vit_large_patch16_224": 307e6, "vit_huge_patch14_224": 632e6}
+
+
+def build_model(name: str, num_classes: int, image_size: int, drop_path: float = 0.0) -> VisionTransformer:
+    if name in TINY_MODELS:
+        return VisionTransformer(img_size=image_size, num_classes=num_classes, drop_path_rate=drop_path,
+                                 **TINY_MODELS[name])
+    try:
+        return timm.create_model(name, pretrained=False, num_classes=num_classes, img_size=image_size,
+                                 drop_path_rate=drop_path)
+    except RuntimeError as e:
+        raise ValueError(f"model.name {name!r}: {e}") from None
+
+
+def parameter_count(name: str, num_classes: int = 1000, image_size: int = 224) -> int:
+    """Counted on the meta device: no memory, so ViT-H/14 counts on a laptop."""
+    with torch.device("meta"):
+        model = build_model(name, num_classes, image_size)
+    return sum(p.numel() for p in model.parameters())
+
+
+def forward_flops(model: VisionTransformer) -> float:
+    """Forward FLOPs per image (2 x multiply-adds) of the matmuls, from the architecture.
+
+    Per block: QKV and output projections 4*N*D^2, MLP 2*N*D*H, attention scores and values
+    2*N^2*D; plus the patch embedding and the head. ViT-H/14 at 224: 167.4 GMACs."""
+    blocks = model.blocks
+    dim = model.embed_dim
+    patches = model.patch_embed.num_patches
+    tokens = patches + model.num_prefix_tokens
+    hidden = blocks[0].mlp.fc1.out_features
+    per_block = 4 * tokens * dim * dim + 2 * tokens * dim * hidden + 2 * tokens * tokens * dim
+    patch_embed = patches * dim * math.prod(model.patch_embed.proj.weight.shape[1:])
+    head = dim * model.num_classes
+    return 2.0 * (len(blocks) * per_block + patch_embed + head)
+
+
+def adapt_state_dict(state: dict, model: VisionTransformer) -> tuple[dict, list[str]]:
+    """Fit a ViT state dict to `model`: resample position embeddings to its patch grid (2D,
+    bicubic, as the ViT paper fine-tunes at higher resolution) and drop a head of another size.
+    Returns the state dict and what was changed."""
+    state = dict(state)
+    changed = []
+    target = model.state_dict()
+    if "pos_embed" in state and state["pos_embed"].shape != target["pos_embed"].shape:
+        old = state["pos_embed"].shape[1] - model.num_prefix_tokens
+        state["pos_embed"] = resample_abs_pos_embed(state["pos_embed"], new_size=model.patch_embed.grid_size,
+                                                    num_prefix_tokens=model.num_prefix_tokens)
+        side = int(math.isqrt(old))
+        changed.append(f"pos_embed {side}x{side} -> {'x'.join(map(str, model.patch_embed.grid_size))}")
+    for key in ("head.weight", "head.bias"):
+        if key in state and state[key].shape != target[key].shape:
+            state[key] = target[key]
+            changed.append(f"{key} {tuple(state[key].shape)} reinitialised for {model.num_classes} classes")
+    return state, changed
+
+
+def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """No weight decay on norms, biases, position embeddings and the class token (1-D or named)."""
+    decay, no_decay = [], []
+    skip = set(getattr(model, "no_weight_decay", lambda: set())())
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        (no_decay if param.ndim <= 1 or name in skip else decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
