@@ -31,13 +31,17 @@ test: setup system-packages
 bench: setup
 	$(PY) benchmarks/shard_bench.py
 	$(PY) benchmarks/loader_bench.py
+	$(PY) benchmarks/train_bench.py
 
-# Small wheels benchmarks/gpu_check.sh installs on the GPU machine, which has no network.
+# Small wheels (and DeepSpeed's sdist) benchmarks/gpu_check.sh installs on the GPU machine, which has no network.
 gpu-wheels:
 	for v in 3.10 3.11 3.12 3.13; do \
 		$(PIP) download --quiet --only-binary=:all: --no-deps --python-version $$v -d benchmarks/wheels \
-			simplejpeg==1.9.0 fsspec==2026.9.0 braceexpand==0.1.7 webdataset==1.0.2; \
+			simplejpeg==1.9.0 fsspec==2026.9.0 braceexpand==0.1.7 webdataset==1.0.2 pyyaml==6.0.3 \
+			pydantic==2.14.4 pydantic-core==2.50.5 annotated-types typing-inspection hjson ninja py-cpuinfo msgpack \
+			psutil einops nvidia-ml-py packaging; \
 	done
+	$(PIP) download --quiet --no-deps --no-binary=:all: -d benchmarks/wheels deepspeed==0.19.8
 
 lock:
 	rm -rf /tmp/vitforge-lock && $(PYTHON) -m venv /tmp/vitforge-lock

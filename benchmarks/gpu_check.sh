@@ -4,6 +4,7 @@
 # Small wheels it needs come from benchmarks/wheels/ (git-ignored; `make gpu-wheels` fills it).
 # Sections are added by the issues that have a GPU goal:
 #   loader (issue 3): GPU JPEG decode feeding 224 px batches (torchvision nvJPEG as the DALI stand-in)
+#   trainer (issue 4): ViT-H/14 bf16 ZeRO-2 on one GPU, largest micro-batch: images/s, MFU, peak memory
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -17,12 +18,18 @@ python -c "import torch, torchvision; print('torch', torch.__version__, 'torchvi
 echo "== wheels"
 if [ -d benchmarks/wheels ]; then
     python -m pip install --quiet --no-index --find-links benchmarks/wheels simplejpeg fsspec braceexpand \
-        webdataset 2>&1 | tail -3
+        webdataset pyyaml pydantic 2>&1 | tail -3
+    # DeepSpeed ships as an sdist only: a pure-Python build against the machine's torch.
+    python -c "import deepspeed" 2>/dev/null || python -m pip install --quiet --no-index --no-build-isolation \
+        --find-links benchmarks/wheels deepspeed==0.19.8 2>&1 | tail -3
 else
     echo "benchmarks/wheels missing: run 'make gpu-wheels' on a machine with network, then carry it"
 fi
 
 status=0
 echo "== loader (issue 3)"
-timeout 240 python benchmarks/gpu_loader_check.py --device cuda ${OUT:+--out "$OUT"} || status=1
+timeout 150 python benchmarks/gpu_loader_check.py --device cuda ${OUT:+--out "$OUT"} || status=1
+
+echo "== trainer (issue 4)"
+timeout 270 python benchmarks/gpu_train_check.py ${OUT:+--out "$OUT"} || status=1
 exit $status

@@ -102,11 +102,8 @@ def _read_tar(path: str, num_classes: int) -> tuple[bytes, int, list[str]]:
 
 
 def _sha256_file(path: str) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def info(dest: str) -> str:

@@ -94,11 +94,8 @@ def load(run_dir: str, tag: str, engine) -> tuple[int, dict, dict]:
 
 
 def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _atomic_torch_save(obj, path: str) -> None:

@@ -70,11 +70,10 @@ class Metrics:
 
 
 def masked_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy over real labels only (-1: replaced or padding samples)."""
-    valid = labels != IGNORE_LABEL
-    if not valid.any():
-        return logits.sum() * 0.0
-    return F.cross_entropy(logits.float()[valid], labels[valid])
+    """Mean cross-entropy over real labels only (-1: replaced or padding samples); 0 when there are
+    none. No data-dependent branch, so no device sync."""
+    total = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_LABEL, reduction="sum")
+    return total / (labels != IGNORE_LABEL).sum().clamp(min=1)
 
 
 def evaluate(engine, loader, params: dict | None = None) -> dict:
@@ -198,7 +197,7 @@ def _train(cfg, env, device, engine, loader, val_loader, metrics, run_dir, step,
     images_per_step = cfg.train.global_batch
     flops_per_image = 3 * forward_flops(engine.module)  # forward + backward
     peak = peak_flops(device)
-    window = {"loss": 0.0, "micro": 0, "start": time.perf_counter(), "steps": 0}
+    window = {"loss": torch.zeros((), device=device), "micro": 0, "start": time.perf_counter(), "steps": 0}
     micro, last = 0, {}
     end = min(cfg.train.steps, cfg.train.stop_at or cfg.train.steps)
     while step < end:
@@ -209,7 +208,7 @@ def _train(cfg, env, device, engine, loader, val_loader, metrics, run_dir, step,
             loss = masked_loss(engine(batch["image"]), batch["label"])
             engine.backward(loss)
             engine.step()
-            window["loss"] += loss.item()
+            window["loss"] += loss.detach().float()  # summed on the device: no sync per micro-step
             window["micro"] += 1
             micro += 1
             if micro % accumulation:
@@ -234,7 +233,7 @@ def _train(cfg, env, device, engine, loader, val_loader, metrics, run_dir, step,
 
 
 def _log(engine, loader, metrics, step, lr, window, images_per_step, flops_per_image, peak, device) -> dict:
-    loss = torch.tensor([window["loss"], window["micro"]], dtype=torch.float64)
+    loss = torch.tensor([window["loss"].item(), window["micro"]], dtype=torch.float64)
     dist.all_reduce(loss)
     elapsed = time.perf_counter() - window["start"]
     images_per_s = window["steps"] * images_per_step / elapsed
@@ -253,9 +252,9 @@ def _log(engine, loader, metrics, step, lr, window, images_per_step, flops_per_i
     metrics.write(step, values)
     if dist.get_rank() == 0:
         mfu = f" mfu {values['mfu']:.1%}" if values["mfu"] is not None else ""
-        log.info("step %d loss %.4f lr %.2e %.0f img/s (%.0f per GPU) data wait %.0f%%%s",
+        log.info("step %d loss %.4f lr %.2e %.0f img/s (%.0f per rank) data wait %.0f%%%s",
                  step, values["loss"], lr, images_per_s, images_per_s / world, 100 * values["data_wait_fraction"], mfu)
-    window.update(loss=0.0, micro=0, start=time.perf_counter(), steps=0)
+    window.update(loss=torch.zeros((), device=device), micro=0, start=time.perf_counter(), steps=0)
     return values
 
 

@@ -10,6 +10,7 @@ import os
 import shutil
 
 from shards.cli import main as shard_main
+from trainer.cli import main as trainer_main
 
 from .synthetic import write_class_folders
 
@@ -24,10 +25,13 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     shutil.rmtree(args.out, ignore_errors=True)
     corpus, shards = os.path.join(args.out, "corpus"), os.path.join(args.out, "shards")
+    val_corpus, val_shards = os.path.join(args.out, "val-corpus"), os.path.join(args.out, "val-shards")
     paths = write_class_folders(corpus, args.classes, args.per_class)
-    print(f"== generated {len(paths)} images in {args.classes} classes under {corpus}")
+    write_class_folders(val_corpus, args.classes, 10, seed=1)
+    print(f"== generated {len(paths)} images in {args.classes} classes under {corpus} (and a held-out set)")
     steps = [
         ["shard", corpus, shards, "--shard-samples", "100", "--workers", str(args.workers)],
+        ["shard", val_corpus, val_shards, "--prefix", "val", "--workers", str(args.workers)],
         ["shard", "verify", shards],
         ["shard", "info", shards],
     ]
@@ -36,4 +40,7 @@ def main(argv: list[str]) -> int:
         code = shard_main(step[1:])
         if code:
             return code
-    return 0
+    train = ["tiny_cpu", "--set", f"data.train={shards}", "--set", f"data.val={val_shards}",
+             "--set", f"checkpoint.dir={os.path.join(args.out, 'runs')}"]
+    print("== vitforge train " + " ".join(train))
+    return trainer_main(train)

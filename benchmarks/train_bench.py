@@ -1,0 +1,86 @@
+"""Overhead of our training loop against a bare DeepSpeed loop: same tiny ViT, synthetic data, one run.
+
+    python benchmarks/train_bench.py [--steps 200] [--nproc 2]
+
+Both run under torchrun with gloo on the CPU, ZeRO-2, fp32, micro-batch 32, and are timed over
+the same steps after the same warm-up. Goal: ours at most 5% slower.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "TORCH_EXTENSIONS_DIR": str(REPO / ".venv" / "torch_extensions"), "OMP_NUM_THREADS": "1",
+       "PYTHONPATH": str(REPO)}
+
+BARE = r'''
+import json, sys, time, torch, deepspeed, torch.distributed as dist
+from trainer.model import build_model, weight_decay_groups
+steps, warmup, micro = int(sys.argv[1]), int(sys.argv[2]), 32
+deepspeed.init_distributed(dist_backend="gloo")
+torch.manual_seed(0)
+model = build_model("vit_small_cpu", 1000, 32)
+config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+          "zero_optimization": {"stage": 2}, "steps_per_print": 2**31 - 1}
+# The same optimizer as ours (AdamW, no decay on norms/biases/embeddings): what differs is the loop.
+optimizer = torch.optim.AdamW(weight_decay_groups(model, 0.1), lr=1e-4)
+engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+images, labels = torch.randn(micro, 3, 32, 32), torch.randint(0, 1000, (micro,))
+for step in range(steps):
+    if step == warmup:
+        dist.barrier(); start = time.perf_counter()
+    loss = torch.nn.functional.cross_entropy(engine(images), labels)
+    engine.backward(loss); engine.step()
+dist.barrier()
+if dist.get_rank() == 0:
+    print(json.dumps({"images_per_s": (steps - warmup) * micro * dist.get_world_size() / (time.perf_counter() - start)}))
+dist.destroy_process_group()
+'''
+
+
+def _port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--nproc", type=int, default=2)
+    args = p.parse_args()
+    run = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc)]
+    bare = subprocess.run(run + ["--master_port", _port(), "--no-python", sys.executable, "-c", BARE,
+                                 str(args.steps), str(args.warmup)],
+                          env=ENV, cwd=REPO, capture_output=True, text=True, check=True)
+    bare_rate = json.loads(bare.stdout.strip().splitlines()[-1])["images_per_s"]
+    with tempfile.TemporaryDirectory() as tmp:
+        sets = ["data.train=synthetic", "model.name=vit_small_cpu", "model.num_classes=1000", "model.image_size=32",
+                f"train.steps={args.steps}", f"train.log_every={args.warmup}", f"train.checkpoint_every={10**9}",
+                "train.micro_batch=32", f"train.global_batch={32 * args.nproc}", "train.zero_stage=2",
+                "train.precision=fp32", "optimizer.warmup_steps=1", f"checkpoint.dir={tmp}", "checkpoint.run=bench"]
+        cmd = run + ["--master_port", _port(), "-m", "vitforge", "train", "tiny_cpu"]
+        for item in sets:
+            cmd += ["--set", item]
+        subprocess.run(cmd, env=ENV, cwd=REPO, capture_output=True, text=True, check=True)
+        logged = [json.loads(line) for line in Path(tmp, "bench", "metrics.jsonl").read_text().splitlines()]
+    windows = [m for m in logged if m["step"] > args.warmup]  # the same steps the bare loop times
+    ours = len(windows) / sum(1 / m["images_per_s"] for m in windows)  # harmonic mean of equal windows
+    print(f"bare DeepSpeed loop        {bare_rate:8.0f} images/s")
+    print(f"vitforge train (synthetic) {ours:8.0f} images/s")
+    print(f"overhead: {100 * (bare_rate / ours - 1):+.1f}% (goal <= 5%)  [{args.nproc} ranks, ZeRO-2, fp32, "
+          f"vit_small_cpu 32 px, micro-batch 32, steps {args.warmup + 1}-{args.steps}]")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
