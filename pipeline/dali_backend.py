@@ -67,10 +67,9 @@ class DaliBackend:
         self.pipe = _graph(spec, self.device_id)
 
     def batches(self, epoch: int, rank_slice: RankSlice):
-        reader = SampleReader(self.index)
         order = epoch_order(self.index.shard, self.spec.seed, epoch, self.spec.shuffle_window)
         dtype = getattr(torch, self.spec.dtype)
-        with ThreadPoolExecutor(1, thread_name_prefix="read-ahead") as ahead:
+        with SampleReader(self.index) as reader, ThreadPoolExecutor(1, thread_name_prefix="read-ahead") as ahead:
             def read(b):
                 return make_batch(self.index, reader, order, rank_slice, b, self.spec, epoch)
 

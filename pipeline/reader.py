@@ -71,6 +71,19 @@ class SampleReader:
         self._fds: dict[int, int] = {}
         self._pool = ThreadPoolExecutor(threads) if self.remote else None
 
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+
+    def __enter__(self) -> "SampleReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def read(self, sample_ids: np.ndarray) -> list[bytes]:
         if self._pool is not None:
             return list(self._pool.map(self._read_one, sample_ids))

@@ -59,11 +59,11 @@ class _Batches(torch.utils.data.IterableDataset):
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        reader = SampleReader(self.index)
         order = epoch_order(self.index.shard, self.spec.seed, self.epoch, self.spec.shuffle_window)
-        for batch in range(worker, self.rank_slice.num_batches, workers):
-            raw = make_batch(self.index, reader, order, self.rank_slice, batch, self.spec, self.epoch)
-            yield decode_batch(raw, self.spec.image_size)
+        with SampleReader(self.index) as reader:
+            for batch in range(worker, self.rank_slice.num_batches, workers):
+                raw = make_batch(self.index, reader, order, self.rank_slice, batch, self.spec, self.epoch)
+                yield decode_batch(raw, self.spec.image_size)
 
 
 class TorchBackend:

@@ -298,3 +298,16 @@ def test_loader_bench_cli(dataset):
     assert "loader backend: dali-cpu" in result.stderr
     bad = vitforge("loader-bench", "/nonexistent/shards", check=False)
     assert bad.returncode == 1 and "no dataset manifest" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_no_file_descriptors_leak_across_epochs(dataset):
+    import os
+
+    loader = build_loader(spec(dataset, backend="dali-cpu"))
+    for _ in loader:
+        pass
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        for _ in loader:
+            pass
+    assert len(os.listdir("/proc/self/fd")) <= before

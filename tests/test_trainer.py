@@ -216,3 +216,39 @@ def test_shipped_recipes_validate():
     assert finetune.model.image_size == 518 and finetune.train.ema_decay == 0.9999
     assert finetune.optimizer.name == "sgd" and finetune.optimizer.schedule == "cosine"
     assert pretrain.accumulation(64) == 1 and finetune.accumulation(64) == 1
+
+
+def test_slurm_variables_map_to_torch_ones():
+    from trainer.distributed import detect_env, first_host
+
+    assert first_host("gpu[07-09,12],cpu1") == "gpu07"
+    assert first_host("node5,node6") == "node5"
+    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1", "SLURM_JOB_NODELIST": "dgx[003-004]",
+           "SLURM_JOB_ID": "123456"}
+    result = detect_env(env)
+    assert (result.rank, result.world_size, result.local_rank, result.master_addr) == (5, 16, 1, "dgx003")
+    assert env["RANK"] == "5" and env["WORLD_SIZE"] == "16" and env["MASTER_ADDR"] == "dgx003"
+    assert env["MASTER_PORT"] == str(20000 + 123456 % 20000)
+    torchrun = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400",
+                "SLURM_PROCID": "7", "SLURM_NTASKS": "8"}
+    assert detect_env(torchrun).rank == 1  # a launcher's own variables win over SLURM's
+
+
+def test_learning_rate_schedule():
+    from trainer.engine import learning_rate
+
+    cfg = load_config("vit_h14_pretrain", ["train.steps=110000"])
+    assert learning_rate(cfg, 0) == pytest.approx(3e-4 / 10000)
+    assert learning_rate(cfg, 9999) == pytest.approx(3e-4)
+    assert learning_rate(cfg, 60000) == pytest.approx(1.5e-4)
+    assert learning_rate(cfg, 110000) == pytest.approx(0.0)
+    cosine = load_config("vit_h14_finetune", ["train.steps=1500"])
+    assert learning_rate(cosine, 1000) == pytest.approx(0.01 * 0.5)
+
+
+def test_zero3_bf16_with_activation_checkpointing(data):
+    train(data, "z3bf16", "train.zero_stage=3", "train.precision=bf16", "model.grad_checkpointing=true",
+          "train.steps=30", "train.eval_every=30", "train.log_every=1")
+    history = losses(data, "z3bf16")
+    assert sum(history[s] for s in range(26, 31)) / 5 < 0.8 * history[1]
+    assert metrics(data, "z3bf16")[-1]["eval_top1"] > 0.2

@@ -64,7 +64,7 @@ class Metrics:
             f.write(json.dumps({"step": step, **values}) + "\n")
         if self.writer is not None:
             for key, value in values.items():
-                if isinstance(value, (int, float)) and value is not None:
+                if isinstance(value, (int, float)):
                     self.writer.add_scalar(key, value, step)
             self.writer.flush()
 
