@@ -71,6 +71,7 @@ class CheckpointConfig(Strict):
     dir: str = "runs"
     run: str = "run"
     init_from: str | None = None  # fine-tuning: our checkpoint folder, or a timm-format state-dict file
+    save: bool = True  # false: never write checkpoints (benchmarks)
 
 
 class Config(Strict):

@@ -224,7 +224,7 @@ def _train(cfg, env, device, engine, loader, val_loader, metrics, run_dir, step,
             if val_loader is not None and (step % cfg.train.eval_every == 0 or step == end):
                 last.update(evaluate(engine, val_loader, ema))
                 metrics.write(step, {k: v for k, v in last.items() if k.startswith("eval")})
-            if step % cfg.train.checkpoint_every == 0 or step == end:
+            if cfg.checkpoint.save and (step % cfg.train.checkpoint_every == 0 or step == end):
                 checkpoint.save(run_dir, engine, step, {"loader": loader.state_dict()},
                                 {"ema": ema} if ema is not None else {}, cfg.model_dump(mode="json"))
             if step >= end:
