@@ -52,9 +52,10 @@ def choose_backend(spec: LoaderSpec, device: torch.device) -> tuple[str, str]:
 
 class Loader:
     def __init__(self, spec: LoaderSpec, index: DatasetIndex | None, backend, rank: int, world_size: int,
-                 num_samples: int):
+                 num_samples: int, accumulation: int = 1):
         self.spec, self.index, self.backend = spec, index, backend
         self.rank, self.world_size, self.num_samples = rank, world_size, num_samples
+        self.accumulation = accumulation
         self.epoch = 0
         self.consumed = 0
         self.images = 0
@@ -68,7 +69,7 @@ class Loader:
 
     def _slice(self) -> RankSlice:
         return RankSlice(self.num_samples, self.consumed, self.rank, self.world_size, self.spec.batch_size,
-                         self.spec.epoch_end)
+                         self.spec.epoch_end, self.accumulation)
 
     def __iter__(self):
         rank_slice = self._slice()
@@ -119,8 +120,9 @@ class Loader:
 
 def build_loader(spec: LoaderSpec, rank: int = 0, world_size: int = 1,
                  device: torch.device | str = "cpu", synthetic_samples: int = 1_281_167,
-                 synthetic_classes: int = 1000) -> Loader:
-    """A loader for one rank. For the synthetic backend `spec.dataset` is ignored."""
+                 synthetic_classes: int = 1000, accumulation: int = 1) -> Loader:
+    """A loader for one rank. `accumulation`: micro-batches per optimizer step, so that epochs end
+    on whole steps. For the synthetic backend `spec.dataset` is ignored."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
     device = torch.device(device)
@@ -128,7 +130,7 @@ def build_loader(spec: LoaderSpec, rank: int = 0, world_size: int = 1,
     log.info("loader backend: %s (%s)", name, why)
     if name == "synthetic":
         backend = SyntheticBackend(spec, synthetic_classes, device)
-        return Loader(spec, None, backend, rank, world_size, synthetic_samples)
+        return Loader(spec, None, backend, rank, world_size, synthetic_samples, accumulation)
     index = load_index(spec.dataset)
     if name in ("dali", "dali-cpu"):
         from .dali_backend import DaliBackend
@@ -138,5 +140,5 @@ def build_loader(spec: LoaderSpec, rank: int = 0, world_size: int = 1,
         from .torch_backend import TorchBackend
 
         backend = TorchBackend(spec, index, device)
-    return Loader(spec, index, backend, rank, world_size, len(index))
+    return Loader(spec, index, backend, rank, world_size, len(index), accumulation)
 

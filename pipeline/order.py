@@ -4,7 +4,9 @@ One global order per epoch: shards permuted, samples permuted within each shard,
 within windows of `shuffle_window` positions (a shuffle buffer without the buffer). Ranks take
 whole batches from it in turn: batch b of rank r is positions [(b*W + r)*B, (b*W + r + 1)*B).
 So after k steps the ranks together have consumed exactly the first k*W*B positions, whatever W
-and B are, which is what makes resuming exact even at another world size or batch size.
+and B are, which is what makes resuming exact even at another world size or batch size. With
+gradient accumulation an optimizer step is A consecutive batches, i.e. one contiguous global batch
+of W*B*A positions, and epochs end on whole optimizer steps.
 
 Hashing instead of a seeded generator keeps the order identical across numpy versions.
 """
@@ -55,12 +57,14 @@ class RankSlice:
     world_size: int
     batch_size: int
     epoch_end: str
+    accumulation: int = 1  # micro-batches per optimizer step: epochs end on whole optimizer steps
 
     @property
     def num_batches(self) -> int:
         remaining = max(self.num_samples - self.consumed, 0)
-        per_step = self.world_size * self.batch_size
-        return -(-remaining // per_step) if self.epoch_end == "pad" else remaining // per_step
+        per_step = self.world_size * self.batch_size * self.accumulation
+        steps = -(-remaining // per_step) if self.epoch_end == "pad" else remaining // per_step
+        return steps * self.accumulation
 
     def positions(self, batch: int) -> np.ndarray:
         """Epoch positions of one batch; positions past the end wrap to the start (padding)."""

@@ -311,3 +311,13 @@ def test_no_file_descriptors_leak_across_epochs(dataset):
         for _ in loader:
             pass
     assert len(os.listdir("/proc/self/fd")) <= before
+
+
+def test_accumulation_ends_epochs_on_whole_optimizer_steps(dataset):
+    """1 rank x 2 micro-batches per step sees exactly what 2 ranks x 1 micro-batch see, step by step,
+    also across the padded end of the epoch."""
+    one = build_loader(spec(dataset, backend="torch"), 0, 1, accumulation=2)
+    two = [build_loader(spec(dataset, backend="torch"), rank, 2) for rank in range(2)]
+    single = [b["key"] for b in one]
+    paired = [b["key"] for pair in zip(*two) for b in pair]
+    assert len(single) % 2 == 0 and single == paired

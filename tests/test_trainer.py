@@ -252,3 +252,23 @@ def test_zero3_bf16_with_activation_checkpointing(data):
     history = losses(data, "z3bf16")
     assert sum(history[s] for s in range(26, 31)) / 5 < 0.8 * history[1]
     assert metrics(data, "z3bf16")[-1]["eval_top1"] > 0.2
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_resume_at_another_world_size(data, stage):
+    """Saved by 2 ranks, resumed by 1 through DeepSpeed's universal checkpoint: the same samples
+    and (to float tolerance: accumulation sums in another order) the same losses as 2 ranks."""
+    common = ["train.steps=24", "train.log_every=1", "train.checkpoint_every=12", "data.val=null",
+              f"train.zero_stage={stage}"]
+    if not (data / "runs" / f"ws{stage}_straight").exists():
+        train(data, f"ws{stage}_straight", *common)
+    train(data, f"ws{stage}_moved", *common, "train.stop_at=12")
+    result = train(data, f"ws{stage}_moved", *common, nproc=1)
+    assert "at step 12" in result.stderr
+    assert (data / "runs" / f"ws{stage}_moved" / "step_00000012_universal").is_dir()
+    assert (data / "runs" / f"ws{stage}_moved" / "latest_universal").read_text() == "step_00000012_universal"
+    straight, moved = losses(data, f"ws{stage}_straight"), losses(data, f"ws{stage}_moved")
+    assert moved.keys() == straight.keys()
+    assert all(abs(moved[s] - straight[s]) < 1e-3 for s in moved), (straight, moved)
+    a, b = final_weights(data, f"ws{stage}_straight"), final_weights(data, f"ws{stage}_moved")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-3

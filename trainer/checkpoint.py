@@ -1,5 +1,8 @@
 """One checkpoint interface: save and resume everything a run needs to continue exactly.
 
+A run saved at one world size resumes at another through DeepSpeed's universal checkpoint
+conversion, done on demand (ZeRO 1-3; not between ZeRO-2 and ZeRO-3, which DeepSpeed does not support).
+
 Layout: RUN/step_NNNNNNNN/ holds DeepSpeed's own files, one `rank{r}_state.pt` per rank (loader
 position and RNG states: DeepSpeed keeps only rank 0's client state under ZeRO-1/2), the EMA
 weights when used, and `manifest.json` (every file with size and sha256, step, world size, ZeRO
@@ -13,6 +16,8 @@ import hashlib
 import json
 import os
 import random
+import subprocess
+import sys
 
 import numpy as np
 import torch
@@ -75,22 +80,55 @@ def latest(run_dir: str) -> str | None:
     return tag
 
 
-def load(run_dir: str, tag: str, engine) -> tuple[int, dict, dict]:
-    """Restore model, optimizer and DeepSpeed state; return (step, this rank's state, shared state)."""
+def read_manifest(run_dir: str, tag: str) -> dict:
     with open(os.path.join(run_dir, tag, MANIFEST)) as f:
-        manifest = json.load(f)
-    if manifest["world_size"] != dist.get_world_size():
-        raise RuntimeError(f"{run_dir}/{tag} was saved by {manifest['world_size']} ranks, this run has "
-                           f"{dist.get_world_size()}: convert it first with DeepSpeed's ds_to_universal")
-    path, client = engine.load_checkpoint(run_dir, tag=tag)
+        return json.load(f)
+
+
+def to_universal(run_dir: str, tag: str) -> str:
+    """Convert a checkpoint for another world size with DeepSpeed's ds_to_universal (once, on rank 0,
+    into a temporary folder renamed when complete); every rank waits for it. Returns the new tag."""
+    universal = f"{tag}_universal"
+    target = os.path.join(run_dir, universal)
+    if dist.get_rank() == 0 and not os.path.isdir(target):
+        partial = f"{target}.partial-{os.getpid()}"
+        command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                   os.path.join(run_dir, tag), "--output_folder", partial, "--inject_missing_state"]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"ds_to_universal failed on {run_dir}/{tag}: {result.stderr.strip()[-2000:]}")
+        os.replace(partial, target)
+        # ds_to_universal points RUN/latest_universal at the folder it wrote: the temporary name.
+        _atomic_write(os.path.join(run_dir, "latest_universal"), universal.encode())
+    dist.barrier()
+    return universal
+
+
+def load(run_dir: str, tag: str, engine) -> tuple[int, dict, dict]:
+    """Restore model, optimizer and DeepSpeed state; return (step, this rank's state, shared state).
+
+    At another world size (the engine built with `load_universal`), the weights and optimizer
+    state come from the universal conversion; the loader position is rank-independent, so rank
+    0's is used by all; RNG states are reseeded from (seed, step, rank)."""
+    manifest = read_manifest(run_dir, tag)
+    resharded = manifest["world_size"] != dist.get_world_size()
+    path, _ = engine.load_checkpoint(run_dir, tag=to_universal(run_dir, tag) if resharded else tag)
     if path is None:
         raise RuntimeError(f"{run_dir}/{tag}: DeepSpeed could not load the checkpoint")
     folder = os.path.join(run_dir, tag)
-    mine = torch.load(os.path.join(folder, f"rank{dist.get_rank()}_state.pt"), weights_only=False)
+    rank = dist.get_rank() if not resharded else 0
+    mine = torch.load(os.path.join(folder, f"rank{rank}_state.pt"), weights_only=False)
     shared_path = os.path.join(folder, "shared_state.pt")
     shared = torch.load(shared_path, weights_only=False) if os.path.exists(shared_path) else {}
-    set_rng_state(mine.pop("rng"))
-    return client["step"], mine, shared
+    saved_rng = mine.pop("rng")
+    if resharded:
+        seed = manifest["config"]["train"]["seed"] + 1000003 * manifest["step"] + dist.get_rank()
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        torch.manual_seed(seed)
+    else:
+        set_rng_state(saved_rng)
+    return manifest["step"], mine, shared
 
 
 def _sha256(path: str) -> str:

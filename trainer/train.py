@@ -130,8 +130,8 @@ def _loader(cfg: Config, source: str, train: bool, env, device):
     spec = LoaderSpec(source, batch_size=cfg.train.micro_batch, image_size=cfg.model.image_size, train=train,
                       backend="synthetic" if source == "synthetic" else cfg.data.backend, seed=cfg.data.seed,
                       workers=cfg.data.workers, dtype="bfloat16" if cfg.train.precision == "bf16" else "float32")
-    return build_loader(spec, env.rank, env.world_size, device,
-                        synthetic_classes=cfg.model.num_classes or 1000)
+    return build_loader(spec, env.rank, env.world_size, device, synthetic_classes=cfg.model.num_classes or 1000,
+                        accumulation=cfg.accumulation(env.world_size) if train else 1)
 
 
 def run(cfg: Config, evaluate_only: str | None = None) -> dict:
@@ -155,14 +155,18 @@ def _run(cfg: Config, env, device, evaluate_only: str | None) -> dict:
     if not num_classes:
         raise ConfigError("model.num_classes is not set and the training data has no dataset.json to read it from")
     val_loader = _loader(cfg, cfg.data.val, False, env, device) if cfg.data.val else None
+    run_dir = evaluate_only or os.path.join(cfg.checkpoint.dir, cfg.checkpoint.run)
+    tag = checkpoint.latest(run_dir)
+    if tag and not evaluate_only and checkpoint.read_manifest(run_dir, tag)["world_size"] != env.world_size:
+        # DeepSpeed must know at construction that it will load a universal checkpoint.
+        cfg = cfg.model_copy(update={"deepspeed": {**cfg.deepspeed, "checkpoint": {
+            **cfg.deepspeed.get("checkpoint", {}), "load_universal": True}}})
     engine = build_engine(cfg, lambda: build_model(cfg.model.name, num_classes, cfg.model.image_size,
                                                    cfg.model.drop_path), env.world_size)
-    run_dir = evaluate_only or os.path.join(cfg.checkpoint.dir, cfg.checkpoint.run)
     metrics = Metrics(run_dir, enabled=env.rank == 0 and evaluate_only is None)
     if evaluate_only:
         return _evaluate_run(engine, val_loader, evaluate_only)
     step, ema = 0, None
-    tag = checkpoint.latest(run_dir)
     if tag:
         step, mine, shared = checkpoint.load(run_dir, tag, engine)
         train_loader.load_state_dict(mine["loader"])
