@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import sys
 import tempfile
 import time
@@ -27,25 +26,18 @@ import torch.nn.functional as F  # noqa: E402
 import torchvision  # noqa: E402
 
 from pipeline import LoaderSpec, load_index  # noqa: E402
-from pipeline.order import RankSlice, epoch_order  # noqa: E402
-from pipeline.reader import SampleReader, make_batch  # noqa: E402
+from pipeline.cli import cpu_seconds  # noqa: E402
+from pipeline.order import RankSlice  # noqa: E402
+from pipeline.reader import raw_batches  # noqa: E402
 from shards import ShardJob, run  # noqa: E402
 from vitforge.synthetic import write_class_folders  # noqa: E402
 
 
-def cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
 def gpu_batches(spec: LoaderSpec, index, device: torch.device, steps: int):
-    reader = SampleReader(index)
-    order = epoch_order(index.shard, spec.seed, 0, spec.shuffle_window)
     rank_slice = RankSlice(len(index), 0, 0, 1, spec.batch_size, "pad")
     mean = torch.tensor(spec.mean, device=device).view(1, 3, 1, 1)
     std = torch.tensor(spec.std, device=device).view(1, 3, 1, 1)
-    for step in range(steps):
-        raw = make_batch(index, reader, order, rank_slice, step % rank_slice.num_batches, spec, 0)
+    for raw in raw_batches(index, spec, 0, rank_slice, (s % rank_slice.num_batches for s in range(steps))):
         data = [torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in raw.images]
         decoded = torchvision.io.decode_jpeg(data, device=device)
         crops = []

@@ -22,13 +22,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 RUNNER = r'''
-import json, os, resource, sys, time
+import json, os, sys, time
 sys.path.insert(0, sys.argv[1])
 kind, shards, batch, steps, workers = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
 
-def cpu():
-    a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
+from pipeline.cli import cpu_seconds as cpu
 
 if kind in ("dali-cpu", "torch"):
     from pipeline import LoaderSpec

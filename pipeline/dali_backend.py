@@ -19,8 +19,8 @@ import torch
 from PIL import Image
 
 from .index import DatasetIndex
-from .order import RankSlice, epoch_order
-from .reader import RawBatch, SampleReader, make_batch
+from .order import RankSlice
+from .reader import RawBatch, raw_batches
 from .spec import LoaderSpec
 
 log = logging.getLogger("vitforge.pipeline")
@@ -67,20 +67,19 @@ class DaliBackend:
         self.pipe = _graph(spec, self.device_id)
 
     def batches(self, epoch: int, rank_slice: RankSlice):
-        order = epoch_order(self.index.shard, self.spec.seed, epoch, self.spec.shuffle_window)
         dtype = getattr(torch, self.spec.dtype)
-        with SampleReader(self.index) as reader, ThreadPoolExecutor(1, thread_name_prefix="read-ahead") as ahead:
-            def read(b):
-                return make_batch(self.index, reader, order, rank_slice, b, self.spec, epoch)
-
-            pending = ahead.submit(read, 0) if rank_slice.num_batches else None
-            for b in range(rank_slice.num_batches):
-                raw = pending.result()
-                if b + 1 < rank_slice.num_batches:
-                    pending = ahead.submit(read, b + 1)
-                images = self._run(raw).to(dtype)
-                yield {"image": images, "label": torch.from_numpy(raw.labels).to(self.device), "key": raw.keys,
-                       "bad": raw.bad}
+        source = raw_batches(self.index, self.spec, epoch, rank_slice, range(rank_slice.num_batches))
+        try:
+            # One thread reads batch b+1 while DALI decodes batch b.
+            with ThreadPoolExecutor(1, thread_name_prefix="read-ahead") as ahead:
+                pending = ahead.submit(next, source, None)
+                while (raw := pending.result()) is not None:
+                    pending = ahead.submit(next, source, None)
+                    images = self._run(raw).to(dtype)
+                    yield {"image": images, "label": torch.from_numpy(raw.labels).to(self.device), "key": raw.keys,
+                           "bad": raw.bad}
+        finally:
+            source.close()
 
     def _run(self, raw: RawBatch) -> torch.Tensor:
         for _ in range(len(raw.images) + 1):

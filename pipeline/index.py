@@ -10,14 +10,13 @@ from __future__ import annotations
 import glob
 import logging
 import os
-import tarfile
 from dataclasses import dataclass
 
 import fsspec
 import numpy as np
 from braceexpand import braceexpand
 
-from shards import ManifestError, index_path_for, open_store, read_manifest
+from shards import ManifestError, index_path_for, index_tar, open_store, read_manifest
 
 log = logging.getLogger("vitforge.pipeline")
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
@@ -84,21 +83,7 @@ def _index_text(url: str) -> str:
     if "://" in url:
         raise DatasetError(f"{url}: no index file {idx}; make one with DALI's `wds2idx` (scanning remote tars is slow)")
     log.info("%s: no index file, scanning the tar", url)
-    lines = []
-    with tarfile.open(url, "r:") as tar:
-        for member in tar:
-            if member.isfile():
-                lines.append(f"{member.name.split('.', 1)[1]} {member.offset_data} {member.size} {member.name}")
-    # Group consecutive members by key, as wds2idx does.
-    grouped: list[list[str]] = []
-    last = None
-    for line in lines:
-        key = line.rsplit(" ", 1)[1].split(".", 1)[0]
-        if key != last:
-            grouped.append([])
-            last = key
-        grouped[-1].append(line)
-    return f"v1.2 {len(grouped)}\n" + "".join(" ".join(g) + "\n" for g in grouped)
+    return index_tar(url).decode()
 
 
 def _build(urls: list[str], texts: list[str], num_classes: int | None) -> DatasetIndex:

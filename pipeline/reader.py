@@ -13,6 +13,7 @@ import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Iterable, Iterator
 
 import fsspec
 import numpy as np
@@ -23,7 +24,7 @@ from shards import with_retries
 
 from .augment import Windows, crop_windows
 from .index import DatasetIndex
-from .order import RankSlice
+from .order import RankSlice, epoch_order
 from .spec import LoaderSpec
 
 log = logging.getLogger("vitforge.pipeline")
@@ -146,3 +147,12 @@ def make_batch(index: DatasetIndex, reader: SampleReader, order: np.ndarray, ran
             log.warning("sample %s: label %r is not a class id; it is ignored (label -1)", keys[i], label_texts[i])
             raw.bad.append(keys[i])
     return raw
+
+
+def raw_batches(index: DatasetIndex, spec: LoaderSpec, epoch: int, rank_slice: RankSlice,
+                batches: Iterable[int]) -> Iterator[RawBatch]:
+    """The given batches of one rank's epoch, in that order, read with one reader."""
+    order = epoch_order(index.shard, spec.seed, epoch, spec.shuffle_window)
+    with SampleReader(index) as reader:
+        for batch in batches:
+            yield make_batch(index, reader, order, rank_slice, batch, spec, epoch)

@@ -16,8 +16,8 @@ import torch
 from PIL import Image
 
 from .index import DatasetIndex
-from .order import RankSlice, epoch_order
-from .reader import RawBatch, SampleReader, make_batch
+from .order import RankSlice
+from .reader import RawBatch, raw_batches
 from .spec import LoaderSpec
 
 
@@ -59,11 +59,9 @@ class _Batches(torch.utils.data.IterableDataset):
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        order = epoch_order(self.index.shard, self.spec.seed, self.epoch, self.spec.shuffle_window)
-        with SampleReader(self.index) as reader:
-            for batch in range(worker, self.rank_slice.num_batches, workers):
-                raw = make_batch(self.index, reader, order, self.rank_slice, batch, self.spec, self.epoch)
-                yield decode_batch(raw, self.spec.image_size)
+        mine = range(worker, self.rank_slice.num_batches, workers)
+        for raw in raw_batches(self.index, self.spec, self.epoch, self.rank_slice, mine):
+            yield decode_batch(raw, self.spec.image_size)
 
 
 class TorchBackend:

@@ -8,11 +8,11 @@ from .manifest import MANIFEST_NAME, ManifestError, read_manifest  # noqa: E402
 from .retry import with_retries  # noqa: E402
 from .sources import SourceError  # noqa: E402
 from .store import open_store  # noqa: E402
-from .tarfile_writer import TarShardWriter, index_path_for  # noqa: E402
+from .tarfile_writer import TarShardWriter, index_path_for, index_tar  # noqa: E402
 from .verify import info, verify  # noqa: E402
 
 __all__ = [
     "ImageOptions", "MANIFEST_NAME", "ManifestError", "PartResult", "Rejected", "ShardJob", "SourceError",
-    "TarShardWriter", "index_path_for", "info", "merge_parts", "normalise", "open_store", "read_manifest",
+    "TarShardWriter", "index_path_for", "index_tar", "info", "merge_parts", "normalise", "open_store", "read_manifest",
     "run", "verify", "with_retries",
 ]

@@ -7,6 +7,7 @@ or one that the next run rebuilds from scratch to the same bytes.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -18,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 from .images import ImageOptions, Rejected, normalise
-from .manifest import PLAN_NAME, RECORDS_DIR, ManifestError, merge, record_name, shard_name
+from .manifest import HISTOGRAMS, PLAN_NAME, RECORDS_DIR, ManifestError, merge, record_name, shard_name
 from .parallel import ordered_map
 from .plan import Plan, PlanItem, fingerprint, make_plan
 from .progress import Progress
@@ -172,8 +173,8 @@ def _pack_shard(staging: str, results, progress: Progress) -> StagedShard:
     rejects: list[dict] = []
     class_counts: Counter = Counter()
     changes: Counter = Counter()
-    histograms = {"image_bytes": Counter(), "short_side": Counter()}
-    try:
+    histograms = {name: Counter() for name in HISTOGRAMS}
+    with _removed_on_error(staging):
         with open(staging, "wb", buffering=1 << 20) as out:
             writer = TarShardWriter(out)
             for result in results:
@@ -187,10 +188,6 @@ def _pack_shard(staging: str, results, progress: Progress) -> StagedShard:
                         counter[power_of_two_band(result[name])] += 1
                 progress.update(1, result.get("bytes", 0))
             writer.close()
-    except BaseException:
-        if os.path.exists(staging):
-            os.unlink(staging)
-        raise
     record = {"class_counts": {str(k): v for k, v in sorted(class_counts.items())},
               "normalised": dict(sorted(changes.items())), "rejects": rejects,
               **{name: {str(k): v for k, v in sorted(c.items())} for name, c in histograms.items()}}
@@ -199,20 +196,27 @@ def _pack_shard(staging: str, results, progress: Progress) -> StagedShard:
 
 def _publish_shard(store, name: str, staged: StagedShard) -> None:
     """Tar, then index, then the record: the record is the commit mark, so it goes last."""
-    try:
+    with _removed_on_error(staged.path):
         with open(staged.path, "rb") as f:
             os.fsync(f.fileno())
         store.put_file(staged.path, name)
-    except BaseException:
-        if os.path.exists(staged.path):
-            os.unlink(staged.path)
-        raise
     index = staged.writer.dali_index()
     store.put_bytes(index_path_for(name), index)
     record = {"name": name, "index": index_path_for(name), "samples": staged.writer.samples,
               "bytes": staged.writer.offset, "sha256": staged.writer.sha256,
               "index_sha256": hashlib.sha256(index).hexdigest(), **staged.record}
     store.put_bytes(record_name(name), json.dumps(record, sort_keys=True, indent=1).encode())
+
+
+@contextlib.contextmanager
+def _removed_on_error(path: str):
+    """A staged file that did not make it into place is deleted, not left for a reader to find."""
+    try:
+        yield
+    except BaseException:
+        if os.path.exists(path):
+            os.unlink(path)
+        raise
 
 
 def power_of_two_band(value: int) -> int:

@@ -184,11 +184,8 @@ class S3Store:
 
     def get_bytes(self, name: str) -> bytes:
         def fetch() -> bytes:
-            try:
-                with _named(self.url(name)):
-                    response = self.client.get_object(Bucket=self.bucket, Key=self.key(name))
-            except FileNotFoundError:
-                raise FileNotFoundError(self.url(name)) from None
+            with _named(self.url(name)):
+                response = self.client.get_object(Bucket=self.bucket, Key=self.key(name))
             body = response["Body"].read()
             if len(body) != response["ContentLength"]:
                 # A body cut short is not retried by botocore (DESIGN.md section 4).

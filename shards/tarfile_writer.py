@@ -38,7 +38,7 @@ class TarShardWriter:
                 continue
             name = f"{key}.{ext}"
             self._emit(_header(name, len(data)))
-            components.append(f"{ext} {self.offset} {len(data)} {name}")
+            components.append(index_entry(name, self.offset, len(data)))
             self._emit(data)
             if len(data) % BLOCK:
                 self._emit(bytes(BLOCK - len(data) % BLOCK))
@@ -55,8 +55,7 @@ class TarShardWriter:
 
     def dali_index(self) -> bytes:
         """The .idx file DALI's wds2idx writes for this tar, byte for byte."""
-        lines = [f"{DALI_INDEX_VERSION} {self.samples}"] + self.index_lines
-        return ("\n".join(lines) + "\n").encode()
+        return format_dali_index(self.index_lines)
 
     def _emit(self, data: bytes) -> None:
         self.out.write(data)
@@ -89,6 +88,38 @@ def _header(name: str, size: int) -> bytes:
     header[148:156] = b"        "
     header[148:155] = b"%06o\0" % sum(header)
     return bytes(header)
+
+
+def split_name(name: str) -> tuple[str, str]:
+    """(key, extension) as wds2idx splits a member name: at the first dot after the last slash."""
+    dot = name.find(".", name.rfind("/") + 1)
+    return (name[:dot], name[dot + 1:]) if dot >= 0 else (name, "")
+
+
+def index_entry(name: str, offset: int, size: int) -> str:
+    """One member in a wds2idx line: extension, data offset, size, name."""
+    return f"{split_name(name)[1]} {offset} {size} {name}"
+
+
+def format_dali_index(samples: list[str]) -> bytes:
+    """A wds2idx file: the version and sample count, then one line of member entries per sample."""
+    return ("\n".join([f"{DALI_INDEX_VERSION} {len(samples)}", *samples]) + "\n").encode()
+
+
+def index_tar(path: str) -> bytes:
+    """The index wds2idx writes for a tar from any writer: regular members, grouped by consecutive key."""
+    samples: list[list[str]] = []
+    last = None
+    with tarfile.open(path, "r:") as tar:
+        for member in tar:
+            if not member.isfile():
+                continue
+            key = split_name(member.name)[0]
+            if key != last:
+                samples.append([])
+                last = key
+            samples[-1].append(index_entry(member.name, member.offset_data, member.size))
+    return format_dali_index([" ".join(entries) for entries in samples])
 
 
 def index_path_for(tar_name: str) -> str:

@@ -14,7 +14,7 @@ from .images import Rejected, check_decodes
 from .manifest import read_manifest
 from .parallel import ordered_map
 from .store import open_store
-from .tarfile_writer import DALI_INDEX_VERSION
+from .tarfile_writer import format_dali_index, index_entry, split_name
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 
@@ -68,7 +68,7 @@ def _read_tar(path: str, num_classes: int) -> tuple[bytes, int, list[str]]:
         for member in tar:
             if not member.isfile():
                 continue
-            key, _, ext = member.name.partition(".")
+            key, ext = split_name(member.name)
             if not groups or groups[-1][0] != key:
                 groups.append((key, []))
             data = tar.extractfile(member).read()
@@ -95,10 +95,9 @@ def _read_tar(path: str, num_classes: int) -> tuple[bytes, int, list[str]]:
                 json.loads(by_ext["json"])
             except ValueError:
                 problems.append(f"sample {key}: .json member is not valid JSON")
-    lines = [f"{DALI_INDEX_VERSION} {len(groups)}"]
-    lines += [" ".join(f"{ext} {offset} {size} {name}" for ext, offset, size, name, _ in members)
-              for _, members in groups]
-    return ("\n".join(lines) + "\n").encode(), len(groups), problems
+    index = format_dali_index([" ".join(index_entry(name, offset, size) for _, offset, size, name, _ in members)
+                               for _, members in groups])
+    return index, len(groups), problems
 
 
 def _sha256_file(path: str) -> str:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import vitforge
+from shards import index_tar
 from test_zoo import AS_UNPRIVILEGED
 from zoo import write_zoo
 
@@ -58,6 +59,7 @@ def test_index_equals_dali_wds2idx(which, request, tmp_path):
         theirs = tmp_path / shard["index"]
         subprocess.run([wds2idx, out / shard["name"], theirs], check=True, capture_output=True)
         assert (out / shard["index"]).read_bytes() == theirs.read_bytes()
+        assert index_tar(str(out / shard["name"])) == theirs.read_bytes()  # what the loader scans foreign tars with
 
 
 def test_webdataset_reads_every_sample_with_label_and_bytes(sharded, small_corpus):
