@@ -25,11 +25,11 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import torchvision  # noqa: E402
 
-from pipeline import LoaderSpec, load_index  # noqa: E402
-from pipeline.cli import cpu_seconds  # noqa: E402
-from pipeline.order import RankSlice  # noqa: E402
-from pipeline.reader import raw_batches  # noqa: E402
-from shards import ShardJob, run  # noqa: E402
+from vitforge.pipeline import LoaderSpec, load_index  # noqa: E402
+from vitforge.pipeline.cli import cpu_seconds  # noqa: E402
+from vitforge.pipeline.order import RankSlice  # noqa: E402
+from vitforge.pipeline.reader import raw_batches  # noqa: E402
+from vitforge.shards import ShardJob, run  # noqa: E402
 from vitforge.synthetic import write_class_folders  # noqa: E402
 
 

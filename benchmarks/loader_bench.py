@@ -26,11 +26,11 @@ import json, os, sys, time
 sys.path.insert(0, sys.argv[1])
 kind, shards, batch, steps, workers = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
 
-from pipeline.cli import cpu_seconds as cpu
+from vitforge.pipeline.cli import cpu_seconds as cpu
 
 if kind in ("dali-cpu", "torch"):
-    from pipeline import LoaderSpec
-    from pipeline.cli import measure
+    from vitforge.pipeline import LoaderSpec
+    from vitforge.pipeline.cli import measure
     result = measure(LoaderSpec(shards, batch_size=batch, image_size=224, backend=kind, workers=workers), steps, 5, "cpu")
 elif kind == "baseline":
     import glob, torch, webdataset as wds

@@ -23,7 +23,7 @@ ENV = {**os.environ, "TORCH_EXTENSIONS_DIR": str(REPO / ".venv" / "torch_extensi
 
 BARE = r'''
 import json, sys, time, torch, deepspeed, torch.distributed as dist
-from trainer.model import build_model, weight_decay_groups
+from vitforge.trainer.model import build_model, weight_decay_groups
 steps, warmup, micro = int(sys.argv[1]), int(sys.argv[2]), 32
 deepspeed.init_distributed(dist_backend="gloo")
 torch.manual_seed(0)

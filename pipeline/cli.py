@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import resource
-import sys
 import time
 
 import torch
 
-from .index import DatasetError
+from vitforge.core import setup_logging
+
 from .loader import build_loader
 from .spec import BACKENDS, LoaderSpec
 
@@ -58,14 +57,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--eval", action="store_true", help="eval transform (resize + centre crop) instead of train")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    try:
-        spec = LoaderSpec(args.dataset, batch_size=args.batch, image_size=args.image_size, train=not args.eval,
-                          backend=args.backend, workers=args.workers)
-        result = measure(spec, args.steps, args.warmup, args.device)
-    except (DatasetError, ValueError, OSError) as e:
-        print(f"vitforge loader-bench: error: {e}", file=sys.stderr)
-        return 1
+    setup_logging()
+    spec = LoaderSpec(args.dataset, batch_size=args.batch, image_size=args.image_size, train=not args.eval,
+                      backend=args.backend, workers=args.workers)
+    result = measure(spec, args.steps, args.warmup, args.device)
     print(f"{args.backend} on {args.device}: {result['images_per_s']:.0f} images/s, "
           f"{result['cpu_ms_per_image']:.2f} CPU-ms per image ({result['images_per_cpu_s']:.0f} images per CPU-second), "
           f"batch {args.batch} x {args.steps} steps, {args.image_size} px, {args.workers} workers")

@@ -15,14 +15,15 @@ from dataclasses import dataclass
 import fsspec
 import numpy as np
 from braceexpand import braceexpand
+from PIL import Image
 
-from shards import ManifestError, index_path_for, index_tar, open_store, read_manifest
+from vitforge.core import UsageError, is_remote, open_store
+from vitforge.shards import SAMPLE_IMAGE_EXTS, ManifestError, index_path_for, index_tar, read_manifest
 
 log = logging.getLogger("vitforge.pipeline")
-IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 
 
-class DatasetError(ValueError):
+class DatasetError(UsageError):
     pass
 
 
@@ -38,6 +39,10 @@ class DatasetIndex:
     label_len: np.ndarray  # int64
     keys: list[str]
     num_classes: int | None  # from dataset.json; None for shards made elsewhere
+    classes: list[str] | None = None  # class id -> name, from dataset.json
+    # Larger images are bad samples (decompression bombs): the sharder's --max-pixels, or
+    # Pillow's default guard for shards made elsewhere.
+    max_pixels: int = Image.MAX_IMAGE_PIXELS
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -50,7 +55,7 @@ def load_index(dataset: str) -> DatasetIndex:
         urls = _expand(dataset)
         if not urls:
             raise DatasetError(f"{dataset}: no tar files match")
-        return _build(urls, [_index_text(u) for u in urls], None)
+        return _build(urls, [_index_text(u) for u in urls], None, scanned=True)
     store = open_store(dataset)
     try:
         manifest = read_manifest(store)
@@ -59,6 +64,8 @@ def load_index(dataset: str) -> DatasetIndex:
     urls = [store.url(s["name"]) for s in manifest["shards"]]
     texts = [store.get_bytes(s["index"]).decode() for s in manifest["shards"]]
     index = _build(urls, texts, manifest["num_classes"])
+    index.classes = manifest.get("classes")
+    index.max_pixels = manifest.get("parameters", {}).get("image", {}).get("max_pixels") or index.max_pixels
     if len(index) != manifest["totals"]["samples"]:
         raise DatasetError(f"{dataset}: index files list {len(index)} samples, dataset.json says "
                            f"{manifest['totals']['samples']}")
@@ -80,27 +87,37 @@ def _index_text(url: str) -> str:
             return f.read()
     except FileNotFoundError:
         pass
-    if "://" in url:
+    if is_remote(url):
         raise DatasetError(f"{url}: no index file {idx}; make one with DALI's `wds2idx` (scanning remote tars is slow)")
     log.info("%s: no index file, scanning the tar", url)
-    return index_tar(url).decode()
+    try:
+        return index_tar(url).decode()
+    except FileNotFoundError:
+        raise DatasetError(f"{url}: no such file") from None
+    except ValueError as e:
+        raise DatasetError(str(e)) from None
 
 
-def _build(urls: list[str], texts: list[str], num_classes: int | None) -> DatasetIndex:
+def _build(urls: list[str], texts: list[str], num_classes: int | None, scanned: bool = False) -> DatasetIndex:
+    """`scanned`: the index texts may come from scanning the tars, so errors name the tar."""
     columns: dict[str, list[int]] = {k: [] for k in ("shard", "start", "length", "image_at", "image_len",
                                                      "label_at", "label_len")}
     keys: list[str] = []
     for shard, (url, text) in enumerate(zip(urls, texts)):
+        where = url if scanned and not os.path.exists(index_path_for(url)) else index_path_for(url)
         lines = text.splitlines()
         if not lines or not lines[0].startswith("v1."):
-            raise DatasetError(f"{index_path_for(url)}: not a DALI index file")
+            raise DatasetError(f"{where}: not a DALI index file")
         for n, line in enumerate(lines[1:], 2):
             fields = line.split(" ")
             members = {fields[i]: (int(fields[i + 1]), int(fields[i + 2]), fields[i + 3])
                        for i in range(0, len(fields) - 3, 4)}
-            image_ext = next((e for e in IMAGE_EXTS if e in members), None)
+            image_ext = next((e for e in SAMPLE_IMAGE_EXTS if e in members), None)
             if image_ext is None or "cls" not in members:
-                raise DatasetError(f"{index_path_for(url)}:{n}: sample has no image or no .cls member")
+                sample = next(iter(members.values()))[2].split(".", 1)[0] if members else f"line {n}"
+                missing = "an image (.jpg/.png/.webp)" if image_ext is None else "a .cls label"
+                raise DatasetError(f"{where}: sample {sample} has no {missing} member "
+                                   f"(members: {', '.join(sorted(members)) or 'none'})")
             (image_off, image_len, name), (label_off, label_len, _) = members[image_ext], members["cls"]
             start = min(image_off, label_off)
             columns["shard"].append(shard)

@@ -13,6 +13,8 @@ import time
 
 import torch
 
+from vitforge.core import CheckpointError
+
 from .index import DatasetIndex, load_index
 from .order import RankSlice
 from .spec import LoaderSpec
@@ -98,11 +100,11 @@ class Loader:
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("version") != STATE_VERSION:
-            raise ValueError(f"loader state version {state.get('version')} is not {STATE_VERSION}")
+            raise CheckpointError(f"loader state version {state.get('version')} is not {STATE_VERSION}")
         for name in ("seed", "num_samples"):
             mine = self.spec.seed if name == "seed" else self.num_samples
             if state[name] != mine:
-                raise ValueError(f"loader state has {name}={state[name]}, this loader has {mine}: "
+                raise CheckpointError(f"loader state has {name}={state[name]}, this loader has {mine}: "
                                  "a different dataset or seed cannot resume this position")
         if (state["world_size"], state["batch_size"]) != (self.world_size, self.spec.batch_size):
             log.info("resuming at %d ranks x %d per batch a position saved at %d x %d: exact, from position %d",

@@ -20,7 +20,7 @@ import numpy as np
 import simplejpeg
 from PIL import Image
 
-from shards import with_retries
+from vitforge.core import is_remote, with_retries
 
 from .augment import Windows, crop_windows
 from .index import DatasetIndex
@@ -68,7 +68,7 @@ class SampleReader:
 
     def __init__(self, index: DatasetIndex, threads: int = 16):
         self.index = index
-        self.remote = any("://" in u and not u.startswith("file://") for u in index.shard_urls)
+        self.remote = any(is_remote(u) for u in index.shard_urls)
         self._fds: dict[int, int] = {}
         self._pool = ThreadPoolExecutor(threads) if self.remote else None
 
@@ -107,15 +107,17 @@ class SampleReader:
         return data
 
 
-def image_size(data: bytes) -> tuple[int, int] | None:
-    """(width, height) from the header, or None when the bytes cannot be an intact image."""
+def image_size(data: bytes, max_pixels: int) -> tuple[int, int] | None:
+    """(width, height) from the header, or None when the bytes cannot be an intact image or would
+    decode to more than `max_pixels` (a decompression bomb: a 1 MB PNG can hold 3 GB of pixels)."""
     try:
         if data[:2] == b"\xff\xd8":
             if data.rfind(b"\xff\xd9", max(0, len(data) - 64)) < 0:
                 return None  # no end-of-image marker: truncated
             height, width, _, _ = simplejpeg.decode_jpeg_header(data)
-            return width, height
-        return Image.open(io.BytesIO(data)).size
+        else:
+            width, height = Image.open(io.BytesIO(data)).size
+        return (width, height) if width * height <= max_pixels else None
     except Exception:  # any header the parsers refuse is a bad sample, whatever the exception
         return None
 
@@ -136,13 +138,13 @@ def make_batch(index: DatasetIndex, reader: SampleReader, order: np.ndarray, ran
         keys.append(index.keys[sample])
     if not spec.train:
         labels[positions >= len(order)] = IGNORE_LABEL  # eval padding must not count twice
-    sizes = [image_size(data) for data in images]
+    sizes = [image_size(data, index.max_pixels) for data in images]
     widths = np.array([s[0] if s else BLANK_SIDE for s in sizes], np.int64)
     heights = np.array([s[1] if s else BLANK_SIDE for s in sizes], np.int64)
     raw = RawBatch(images, labels, widths, heights, crop_windows(widths, heights, positions, spec, epoch), keys)
     for i, size in enumerate(sizes):
         if size is None:
-            raw.replace(i, "not an intact image (bad markers or header)")
+            raw.replace(i, f"not an intact image (bad markers or header) or over {index.max_pixels} pixels")
         elif raw.labels[i] == IGNORE_LABEL and positions[i] < len(order):
             log.warning("sample %s: label %r is not a class id; it is ignored (label -1)", keys[i], label_texts[i])
             raw.bad.append(keys[i])

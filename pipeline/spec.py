@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vitforge.core import UsageError
+
 BACKENDS = ("auto", "dali", "dali-cpu", "torch", "synthetic")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -34,18 +36,18 @@ class LoaderSpec:
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, not {self.backend!r}")
+            raise UsageError(f"backend must be one of {', '.join(BACKENDS)}, not {self.backend!r}")
         if self.batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, not {self.batch_size}")
+            raise UsageError(f"batch_size must be >= 1, not {self.batch_size}")
         if self.image_size < 8:
-            raise ValueError(f"image_size must be >= 8, not {self.image_size}")
+            raise UsageError(f"image_size must be >= 8, not {self.image_size}")
         if self.epoch_end not in ("pad", "drop"):
-            raise ValueError(f"epoch_end must be 'pad' or 'drop', not {self.epoch_end!r}")
+            raise UsageError(f"epoch_end must be 'pad' or 'drop', not {self.epoch_end!r}")
         if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"dtype must be 'float32' or 'bfloat16', not {self.dtype!r}")
+            raise UsageError(f"dtype must be 'float32' or 'bfloat16', not {self.dtype!r}")
         if not 0 < self.scale[0] <= self.scale[1] <= 1:
-            raise ValueError(f"scale must satisfy 0 < min <= max <= 1, not {self.scale}")
+            raise UsageError(f"scale must satisfy 0 < min <= max <= 1, not {self.scale}")
         if not 0 < self.ratio[0] <= self.ratio[1]:
-            raise ValueError(f"ratio must satisfy 0 < min <= max, not {self.ratio}")
+            raise UsageError(f"ratio must satisfy 0 < min <= max, not {self.ratio}")
         if not 0 < self.eval_crop_fraction <= 1:
-            raise ValueError(f"eval_crop_fraction must be in (0, 1], not {self.eval_crop_fraction}")
+            raise UsageError(f"eval_crop_fraction must be in (0, 1], not {self.eval_crop_fraction}")

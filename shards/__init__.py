@@ -1,18 +1,14 @@
 """Pack image corpora into validated, DALI-ready WebDataset shards (`vitforge shard`)."""
 
-__version__ = "0.1.0"
-
 from .build import PartResult, ShardJob, merge_parts, run  # noqa: E402
 from .images import ImageOptions, Rejected, normalise  # noqa: E402
 from .manifest import MANIFEST_NAME, ManifestError, read_manifest  # noqa: E402
-from .retry import with_retries  # noqa: E402
 from .sources import SourceError  # noqa: E402
-from .store import open_store  # noqa: E402
-from .tarfile_writer import TarShardWriter, index_path_for, index_tar  # noqa: E402
+from .tarfile_writer import SAMPLE_IMAGE_EXTS, TarShardWriter, index_path_for, index_tar  # noqa: E402
 from .verify import info, verify  # noqa: E402
 
 __all__ = [
-    "ImageOptions", "MANIFEST_NAME", "ManifestError", "PartResult", "Rejected", "ShardJob", "SourceError",
-    "TarShardWriter", "index_path_for", "index_tar", "info", "merge_parts", "normalise", "open_store", "read_manifest",
-    "run", "verify", "with_retries",
+    "ImageOptions", "MANIFEST_NAME", "SAMPLE_IMAGE_EXTS", "ManifestError", "PartResult", "Rejected", "ShardJob", "SourceError",
+    "TarShardWriter", "index_path_for", "index_tar", "info", "merge_parts", "normalise", "read_manifest", "run",
+    "verify",
 ]

@@ -18,13 +18,13 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
+from vitforge.core import Progress, UsageError, open_store
+
 from .images import ImageOptions, Rejected, normalise
 from .manifest import HISTOGRAMS, PLAN_NAME, RECORDS_DIR, ManifestError, merge, record_name, shard_name
 from .parallel import ordered_map
 from .plan import Plan, PlanItem, fingerprint, make_plan
-from .progress import Progress
 from .sources import display_path, list_corpus, load_class_names, read_source
-from .store import open_store
 from .tarfile_writer import TarShardWriter, index_path_for
 
 log = logging.getLogger("vitforge.shard")
@@ -43,19 +43,20 @@ class ShardJob:
     classes_file: str | None = None
     path_column: str = "path"
     label_column: str = "label"
+    root: str | None = None  # manifest rows must resolve inside it (default: the manifest's folder)
     workers: int = 1
     num_parts: int = 1
     part: int = 0
 
     def __post_init__(self):
         if not self.prefix or any(c in self.prefix for c in "./ "):
-            raise ValueError(f"--prefix {self.prefix!r} must be non-empty without '.', '/' or spaces")
+            raise UsageError(f"--prefix {self.prefix!r} must be non-empty without '.', '/' or spaces")
         if not self.shard_bytes and not self.shard_samples:
-            raise ValueError("give --shard-bytes, --shard-samples or both")
+            raise UsageError("give --shard-bytes, --shard-samples or both")
         if not 0 <= self.part < self.num_parts:
-            raise ValueError(f"--part {self.part} is outside 0..{self.num_parts - 1} (--num-parts {self.num_parts})")
+            raise UsageError(f"--part {self.part} is outside 0..{self.num_parts - 1} (--num-parts {self.num_parts})")
         if self.workers < 1:
-            raise ValueError(f"--workers must be >= 1, not {self.workers}")
+            raise UsageError(f"--workers must be >= 1, not {self.workers}")
 
     def output_parameters(self) -> dict:
         """Everything that shapes the output bytes, and nothing else (not workers, not part)."""
@@ -63,6 +64,7 @@ class ShardJob:
             "src": self.src, "prefix": self.prefix, "seed": self.seed, "shard_bytes": self.shard_bytes,
             "shard_samples": self.shard_samples, "image": asdict(self.image), "dedup": self.dedup,
             "classes_file": self.classes_file, "path_column": self.path_column, "label_column": self.label_column,
+            "root": self.root,
         }
 
 
@@ -88,6 +90,7 @@ def command_line(parameters: dict) -> str:
     args += ["--dedup"] if parameters["dedup"] else []
     args += ["--classes", parameters["classes_file"]] if parameters["classes_file"] else []
     args += ["--path-column", parameters["path_column"], "--label-column", parameters["label_column"]]
+    args += ["--root", parameters["root"]] if parameters.get("root") else []
     return shlex.join(display_path(a) for a in args)
 
 
@@ -127,11 +130,12 @@ def _load_or_make_plan(job: ShardJob, store) -> Plan:
         plan = Plan.from_bytes(store.get_bytes(PLAN_NAME))
         if plan.fingerprint != wanted:
             changed = sorted(k for k, v in job.output_parameters().items() if plan.parameters.get(k) != v)
-            raise ValueError(f"{job.dest} already holds shards made with other parameters "
+            raise UsageError(f"{job.dest} already holds shards made with other parameters "
                              f"({', '.join(changed)} differ); use a new destination")
         return plan
     classes = load_class_names(job.classes_file) if job.classes_file else None
-    corpus = list_corpus(job.src, classes=classes, path_column=job.path_column, label_column=job.label_column)
+    corpus = list_corpus(job.src, classes=classes, path_column=job.path_column, label_column=job.label_column,
+                         root=job.root)
     plan = make_plan(corpus, job.output_parameters(), seed=job.seed, shard_bytes=job.shard_bytes,
                      shard_samples=job.shard_samples, dedup=job.dedup)
     # Every part of a job array computes the same plan, so concurrent writers store identical bytes.

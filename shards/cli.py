@@ -6,12 +6,12 @@ import argparse
 import logging
 import os
 import re
-import sys
+
+from vitforge.core import setup_logging
+from vitforge.core.errors import CHECK_FAILED
 
 from .build import ShardJob, merge_parts, run
 from .images import ImageOptions
-from .manifest import ManifestError
-from .sources import SourceError
 from .verify import info, verify
 
 DESCRIPTION = """\
@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="class names: a text file (one per line), a JSON list/dict, or another dataset.json")
     labels.add_argument("--path-column", default="path", help="manifest column with the image path (default path)")
     labels.add_argument("--label-column", default="label", help="manifest column with the label (default label)")
+    labels.add_argument("--root", default=None,
+                        help="manifest paths must resolve inside this folder or URL prefix (default: the manifest's "
+                             "own folder; --root / allows any local path); rows outside it are rejected")
     run_group = p.add_argument_group("execution")
     run_group.add_argument("--workers", type=int, default=default_workers(),
                            help="decode/validate processes (default: CPUs available); output is the same for any N")
@@ -97,27 +100,23 @@ def _part_from_env() -> int:
 
 
 def main(argv: list[str]) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
-    try:
-        if argv and argv[0] == "merge":
-            args = _subcommand_parser("merge", "Combine the parts' records into dataset.json.").parse_args(argv[1:])
-            print(_summary(merge_parts(args.dest), args.dest))
-            return 0
-        if argv and argv[0] == "verify":
-            args = _subcommand_parser("verify", "Check every shard against dataset.json.", True).parse_args(argv[1:])
-            manifest, problems = verify(args.dest, args.workers)
-            for problem in problems:
-                print(f"PROBLEM {problem}")
-            print(f"verified {len(manifest['shards'])} shards, {manifest['totals']['samples']} samples: "
-                  + (f"{len(problems)} problems" if problems else "all good"))
-            return 1 if problems else 0
-        if argv and argv[0] == "info":
-            print(info(_subcommand_parser("info", "Summarise a sharded dataset.").parse_args(argv[1:]).dest))
-            return 0
-        return _shard(build_parser().parse_args(argv))
-    except (SourceError, ManifestError, ValueError, OSError) as e:
-        print(f"vitforge shard: error: {e}", file=sys.stderr)
-        return 1
+    setup_logging()
+    if argv and argv[0] == "merge":
+        args = _subcommand_parser("merge", "Combine the parts' records into dataset.json.").parse_args(argv[1:])
+        print(_summary(merge_parts(args.dest), args.dest))
+        return 0
+    if argv and argv[0] == "verify":
+        args = _subcommand_parser("verify", "Check every shard against dataset.json.", True).parse_args(argv[1:])
+        manifest, problems = verify(args.dest, args.workers)
+        for problem in problems:
+            print(f"PROBLEM {problem}")
+        print(f"verified {len(manifest['shards'])} shards, {manifest['totals']['samples']} samples: "
+              + (f"{len(problems)} problems" if problems else "all good"))
+        return CHECK_FAILED if problems else 0
+    if argv and argv[0] == "info":
+        print(info(_subcommand_parser("info", "Summarise a sharded dataset.").parse_args(argv[1:]).dest))
+        return 0
+    return _shard(build_parser().parse_args(argv))
 
 
 def _shard(args: argparse.Namespace) -> int:
@@ -128,7 +127,7 @@ def _shard(args: argparse.Namespace) -> int:
         image=ImageOptions(format=args.format, quality=args.quality, max_side=args.max_side,
                            min_side=args.min_side, max_pixels=args.max_pixels, validate=args.validate),
         dedup=args.dedup, classes_file=args.classes_file, path_column=args.path_column,
-        label_column=args.label_column, workers=args.workers, num_parts=args.num_parts,
+        label_column=args.label_column, root=args.root, workers=args.workers, num_parts=args.num_parts,
         part=_part_from_env() if args.part is None else args.part,
     )
     result = run(job)

@@ -1,13 +1,14 @@
 """Validate and normalise one encoded image.
 
 Every image is fully decoded before it may reach a shard: DALI aborts the whole pipeline on one
-undecodable JPEG (DESIGN.md section 4), so nothing that fails here is ever packed. Images that only
+undecodable JPEG (docs/ARCHITECTURE.md, measured facts), so nothing that fails here is ever packed. Images that only
 need normalising (EXIF rotation, CMYK / grayscale / palette / alpha / 16-bit, oversize) are
 re-encoded; clean JPEG / PNG / WebP bytes are kept byte-for-byte.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 from dataclasses import dataclass
 
@@ -15,8 +16,7 @@ import numpy as np
 import simplejpeg
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-# Our own pixel limit replaces Pillow's, so the reason is reported, not raised from deep inside.
-Image.MAX_IMAGE_PIXELS = None
+from vitforge.core import UsageError
 
 KEPT_FORMATS = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}
 ORIENTATION_TAG = 0x0112
@@ -44,13 +44,13 @@ class ImageOptions:
 
     def __post_init__(self):
         if self.format not in ("keep", "jpeg"):
-            raise ValueError(f"format must be 'keep' or 'jpeg', not {self.format!r}")
+            raise UsageError(f"format must be 'keep' or 'jpeg', not {self.format!r}")
         if not 1 <= self.quality <= 100:
-            raise ValueError(f"quality must be in 1..100, not {self.quality}")
+            raise UsageError(f"quality must be in 1..100, not {self.quality}")
         if self.max_side is not None and self.max_side < 1:
-            raise ValueError(f"max_side must be positive, not {self.max_side}")
+            raise UsageError(f"max_side must be positive, not {self.max_side}")
         if self.min_side < 1:
-            raise ValueError(f"min_side must be >= 1, not {self.min_side}")
+            raise UsageError(f"min_side must be >= 1, not {self.min_side}")
 
 
 @dataclass(frozen=True)
@@ -69,11 +69,46 @@ def normalise(data: bytes, ext_hint: str, opts: ImageOptions) -> Encoded:
     if not data:
         raise Rejected("empty", "zero-byte file")
     if not opts.validate:
+        _check_signature(data, ext_hint)
         return Encoded(data, ext_hint, 0, 0, 0, 0)
+    with _pixel_limit(opts.max_pixels):
+        return _normalise(data, opts)
+
+
+@contextlib.contextmanager
+def _pixel_limit(limit: int):
+    """Pillow's decompression-bomb guard, set to our limit for this decode only: every other
+    process (loader, trainer) keeps Pillow's default guard. Validation runs one image at a time
+    per process, so the global setting is not shared with another thread."""
+    saved = Image.MAX_IMAGE_PIXELS
+    Image.MAX_IMAGE_PIXELS = limit
+    try:
+        yield
+    finally:
+        Image.MAX_IMAGE_PIXELS = saved
+
+
+# What the first bytes of each kept format are: --no-validate still refuses to pack bytes that
+# are not the image their name claims (a text file renamed .jpg, /etc/passwd listed in a manifest).
+SIGNATURES = {"jpg": (b"\xff\xd8\xff",), "jpeg": (b"\xff\xd8\xff",), "png": (b"\x89PNG\r\n\x1a\n",),
+              "webp": (b"RIFF",)}
+
+
+def _check_signature(data: bytes, ext: str) -> None:
+    signatures = SIGNATURES.get(ext.lower().lstrip("."))
+    if signatures is None:
+        raise Rejected("not_an_image", f"--no-validate packs only JPEG, PNG and WebP, not .{ext}")
+    if not data.startswith(signatures) or (ext == "webp" and data[8:12] != b"WEBP"):
+        raise Rejected("not_an_image", f"the bytes are not a {ext.upper()} file (wrong signature)")
+
+
+def _normalise(data: bytes, opts: ImageOptions) -> Encoded:
     try:
         image = Image.open(io.BytesIO(data))
     except UnidentifiedImageError:
         raise Rejected("not_an_image", "no image format recognises these bytes") from None
+    except Image.DecompressionBombError as e:
+        raise Rejected("decompression_bomb", f"{e}") from None
     except (OSError, SyntaxError, ValueError) as e:
         raise Rejected("corrupt", f"header unreadable: {e}") from None
     width, height = image.size

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 
-from . import __version__
+from vitforge.core import UsageError, __version__
 from .plan import Plan
 from .sources import display_path
 
@@ -27,7 +27,7 @@ RECORDS_DIR = "_work/shards"
 HISTOGRAMS = ("image_bytes", "short_side")
 
 
-class ManifestError(ValueError):
+class ManifestError(UsageError):
     pass
 
 

@@ -18,13 +18,14 @@ from dataclasses import dataclass, field
 
 import fsspec
 
-from .retry import with_retries
+from vitforge.core import UsageError, with_retries
+from vitforge.core import is_remote as is_url
 
 IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".ppm", ".pgm"}
 MANIFEST_SUFFIXES = (".csv", ".tsv", ".jsonl", ".json", ".parquet")
 
 
-class SourceError(ValueError):
+class SourceError(UsageError):
     """The corpus as a whole cannot be read (not one bad sample: those become rejects)."""
 
 
@@ -47,21 +48,19 @@ class Corpus:
     classes: list[str]  # class id -> name
 
 
-def is_url(path: str) -> bool:
-    return "://" in path and not path.startswith("file://")
-
-
 def display_path(path: str) -> str:
     """A printable, valid-UTF-8 form of a path whose bytes may not be UTF-8."""
     return path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 def list_corpus(src: str, *, classes: list[str] | None = None, path_column: str = "path",
-                label_column: str = "label", stat_threads: int = 32) -> Corpus:
+                label_column: str = "label", root: str | None = None, stat_threads: int = 32) -> Corpus:
+    """`root`: for manifests, the folder (or URL prefix) every row must resolve inside; default the
+    manifest's own folder, "/" for any local path."""
     if src.startswith("file://"):
         src = src[len("file://"):]
     if src.rstrip("/").lower().endswith(MANIFEST_SUFFIXES):
-        corpus = _from_manifest(src, classes, path_column, label_column)
+        corpus = _from_manifest(src, classes, path_column, label_column, root)
         _fill_sizes(corpus.records, stat_threads)
         return corpus
     return _from_class_folders(src, classes)
@@ -164,7 +163,8 @@ def _read_manifest_rows(path: str) -> list[dict]:
     return list(csv.DictReader(io.StringIO(text), delimiter="\t" if lower.endswith(".tsv") else ","))
 
 
-def _from_manifest(path: str, classes: list[str] | None, path_column: str, label_column: str) -> Corpus:
+def _from_manifest(path: str, classes: list[str] | None, path_column: str, label_column: str,
+                   root: str | None) -> Corpus:
     try:
         rows = _read_manifest_rows(path)
     except FileNotFoundError:
@@ -175,6 +175,7 @@ def _from_manifest(path: str, classes: list[str] | None, path_column: str, label
         if column not in rows[0]:
             raise SourceError(f"{path}: no column {column!r} (columns: {', '.join(map(str, rows[0]))})")
     base = path.rsplit("/", 1)[0] if "/" in path else "."
+    inside = _root_check(root or base)
     labels = [row.get(label_column) for row in rows]
     numeric = all(_as_int(v) is not None for v in labels if v not in (None, ""))
     if classes is None:
@@ -193,10 +194,34 @@ def _from_manifest(path: str, classes: list[str] | None, path_column: str, label
         record = SourceRecord(source, label, 0, meta, name=str(raw_path or ""))
         if not raw_path:
             record.problem = ("missing_path", f"manifest row {n} has an empty {path_column!r}")
+        elif not inside(source):
+            record.problem = ("outside_root", f"manifest row {n}: {display_path(str(raw_path))!r} resolves outside "
+                                              f"{display_path(root or base)!r} (widen with --root)")
         elif label is None:
             record.problem = ("label_unknown", f"manifest row {n}: label {raw_label!r} is not in the class map")
         records.append(record)
     return Corpus(records, list(classes))
+
+
+def _root_check(root: str):
+    """A predicate: does a resolved source lie inside `root`? Local paths are compared after
+    resolving `..` and symlinks, URLs by prefix after normalising `..`."""
+    if is_url(root):
+        prefix = root.rstrip("/") + "/"
+        return lambda source: is_url(source) and _normalise_url(source).startswith(prefix)
+    real_root = os.path.realpath(root.removeprefix("file://"))
+
+    def inside(source: str) -> bool:
+        if is_url(source):
+            return False
+        return os.path.commonpath([real_root, os.path.realpath(source)]) == real_root
+
+    return inside
+
+
+def _normalise_url(url: str) -> str:
+    scheme, _, rest = url.partition("://")
+    return f"{scheme}://{posixpath.normpath(rest)}"
 
 
 def _label_id(raw, ids: dict[str, int], numeric: bool, num_classes: int) -> int | None:

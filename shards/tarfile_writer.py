@@ -8,6 +8,7 @@ offset as we write, which is exactly what DALI's `wds2idx` derives from `tar --l
 from __future__ import annotations
 
 import hashlib
+import os
 import tarfile
 from dataclasses import dataclass, field
 from typing import BinaryIO
@@ -16,6 +17,8 @@ BLOCK = 512
 RECORD = 20 * BLOCK  # GNU tar and Python's tarfile both pad archives to whole 10 KiB records
 FIXED_MTIME = 946684800  # 2000-01-01: epoch 0 makes some tools warn about implausible times
 DALI_INDEX_VERSION = "v1.2"
+# Extensions an image member of a sample may have, in the order readers look for them.
+SAMPLE_IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 
 
 @dataclass
@@ -107,19 +110,36 @@ def format_dali_index(samples: list[str]) -> bytes:
 
 
 def index_tar(path: str) -> bytes:
-    """The index wds2idx writes for a tar from any writer: regular members, grouped by consecutive key."""
+    """The index wds2idx writes for a tar from any writer: regular members, grouped by consecutive key.
+    A file that is not a tar, or whose last member is cut short, is a ValueError naming both."""
     samples: list[list[str]] = []
     last = None
-    with tarfile.open(path, "r:") as tar:
-        for member in tar:
+    size = os.path.getsize(path)
+    try:
+        tar = tarfile.open(path, "r:")
+    except tarfile.TarError as e:
+        raise ValueError(f"{path}: not a tar archive ({e})") from None
+    with tar:
+        for member in _members(tar, path):
             if not member.isfile():
                 continue
+            if member.offset_data + member.size > size:
+                raise ValueError(f"{path}: member {member.name} is cut short ({size - member.offset_data} of "
+                                 f"{member.size} bytes): the tar is truncated")
             key = split_name(member.name)[0]
             if key != last:
                 samples.append([])
                 last = key
             samples[-1].append(index_entry(member.name, member.offset_data, member.size))
     return format_dali_index([" ".join(entries) for entries in samples])
+
+
+def _members(tar: tarfile.TarFile, path: str):
+    try:
+        yield from tar
+    except tarfile.TarError as e:
+        raise ValueError(f"{path}: damaged tar after member {tar.members[-1].name if tar.members else '(none)'} "
+                         f"({e})") from None
 
 
 def index_path_for(tar_name: str) -> str:

@@ -10,13 +10,13 @@ import statistics
 import tarfile
 import tempfile
 
+from vitforge.core import open_store, sha256_file
+
 from .images import Rejected, check_decodes
 from .manifest import read_manifest
 from .parallel import ordered_map
-from .store import open_store
-from .tarfile_writer import format_dali_index, index_entry, split_name
+from .tarfile_writer import SAMPLE_IMAGE_EXTS, format_dali_index, index_entry, split_name
 
-IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 
 
 def verify(dest: str, workers: int = 1) -> tuple[dict, list[str]]:
@@ -44,7 +44,7 @@ def _verify_shard(shard: dict, *, dest: str, num_classes: int) -> list[str]:
         size = os.path.getsize(path)
         if size != shard["bytes"]:
             problems.append(f"{name}: {size} bytes, manifest says {shard['bytes']}")
-        if _sha256_file(path) != shard["sha256"]:
+        if sha256_file(path) != shard["sha256"]:
             problems.append(f"{name}: sha256 differs from the manifest")
         try:
             index, samples, sample_problems = _read_tar(path, num_classes)
@@ -79,7 +79,7 @@ def _read_tar(path: str, num_classes: int) -> tuple[bytes, int, list[str]]:
             problems.append(f"sample {key}: key appears in two places")
         seen.add(key)
         by_ext = {ext: data for ext, _, _, _, data in members}
-        images = [e for e in by_ext if e in IMAGE_EXTS]
+        images = [e for e in by_ext if e in SAMPLE_IMAGE_EXTS]
         if len(images) != 1:
             problems.append(f"sample {key}: expected one image member, found {images or 'none'}")
         else:
@@ -98,11 +98,6 @@ def _read_tar(path: str, num_classes: int) -> tuple[bytes, int, list[str]]:
     index = format_dali_index([" ".join(index_entry(name, offset, size) for _, offset, size, name, _ in members)
                                for _, members in groups])
     return index, len(groups), problems
-
-
-def _sha256_file(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def info(dest: str) -> str:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import vitforge
-from shards import index_tar
+from vitforge.shards import index_tar
 from test_zoo import AS_UNPRIVILEGED
 from zoo import write_zoo
 

@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from conftest import dataset_samples, vitforge
-from pipeline import IGNORE_LABEL, LoaderSpec, build_loader, choose_backend
+from vitforge.pipeline import IGNORE_LABEL, LoaderSpec, build_loader, choose_backend
 from vitforge.synthetic import class_image, jpeg_bytes
 
 BACKENDS = ["torch", "dali-cpu"]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import REPO, vitforge
-from trainer import PAPER_PARAMETERS, adapt_state_dict, build_model, forward_flops, load_config, parameter_count
+from vitforge.trainer import PAPER_PARAMETERS, adapt_state_dict, build_model, forward_flops, load_config, parameter_count
 from vitforge.synthetic import write_class_folders
 
 # The JIT-built DeepSpeed shm op is cached with the venv: built once (about 30 s), then reused.
@@ -131,9 +131,9 @@ def test_stages_agree_and_match_plain_pytorch(data):
 
 def _plain_pytorch_losses(data, steps: int) -> list[float]:
     """The same run without DeepSpeed: one process sees both ranks' batches."""
-    from pipeline import LoaderSpec, build_loader
-    from trainer.engine import learning_rate, make_optimizer
-    from trainer.train import masked_loss
+    from vitforge.pipeline import LoaderSpec, build_loader
+    from vitforge.trainer.engine import learning_rate, make_optimizer
+    from vitforge.trainer.train import masked_loss
 
     cfg = load_config("tiny_cpu", [f"data.train={data / 'train'}", "train.steps=6"])
     torch.manual_seed(cfg.train.seed)
@@ -219,7 +219,7 @@ def test_shipped_recipes_validate():
 
 
 def test_slurm_variables_map_to_torch_ones():
-    from trainer.distributed import detect_env, first_host
+    from vitforge.trainer.distributed import detect_env, first_host
 
     assert first_host("gpu[07-09,12],cpu1") == "gpu07"
     assert first_host("node5,node6") == "node5"
@@ -235,7 +235,7 @@ def test_slurm_variables_map_to_torch_ones():
 
 
 def test_learning_rate_schedule():
-    from trainer.engine import learning_rate
+    from vitforge.trainer.engine import learning_rate
 
     cfg = load_config("vit_h14_pretrain", ["train.steps=110000"])
     assert learning_rate(cfg, 0) == pytest.approx(3e-4 / 10000)

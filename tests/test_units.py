@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shards.plan import SAMPLE_OVERHEAD, make_plan
-from shards.sources import Corpus, SourceRecord
-from shards.tarfile_writer import FIXED_MTIME, TarShardWriter, _header, index_path_for
+from vitforge.shards.plan import SAMPLE_OVERHEAD, make_plan
+from vitforge.shards.sources import Corpus, SourceRecord
+from vitforge.shards.tarfile_writer import FIXED_MTIME, TarShardWriter, _header, index_path_for
 
 keys = st.text("0123456789abcdefghij_-", min_size=1, max_size=20)
 member_data = st.binary(max_size=3000)

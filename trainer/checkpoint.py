@@ -1,34 +1,45 @@
-"""One checkpoint interface: save and resume everything a run needs to continue exactly.
+"""Save and restore everything a run needs to continue exactly, through an object store.
 
-A run saved at one world size resumes at another through DeepSpeed's universal checkpoint
-conversion, done on demand (ZeRO 1-3; not between ZeRO-2 and ZeRO-3, which DeepSpeed does not support).
+Save (collective): every rank writes its DeepSpeed files and its own state (loader position, RNG)
+to node-local staging, and training continues at once; a background uploader per rank sends them
+to DIR/RUN/step_N/ and writes a receipt. Rank 0's uploader waits for every receipt, writes
+manifest.json, renews the run's lease and moves `latest`, then applies retention. At most one
+upload is in flight per rank: the next save waits for it (and says how long).
 
-Layout: RUN/step_NNNNNNNN/ holds DeepSpeed's own files, one `rank{r}_state.pt` per rank (loader
-position and RNG states: DeepSpeed keeps only rank 0's client state under ZeRO-1/2), the EMA
-weights when used, and `manifest.json` (every file with size and sha256, step, world size, ZeRO
-stage, config), written after everything else. RUN/latest names the newest tag and is written
-after its manifest: a checkpoint without a manifest does not exist.
+Restore (collective): rank 0 picks candidates (newest complete first); each node fetches the files
+its ranks need and checks their sha256 BEFORE anything unpickles them; if any rank finds a
+problem, all ranks fall back to the previous checkpoint together, saying why. A checkpoint saved
+at another world size is converted with DeepSpeed's universal checkpoint tool in node-local staging.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
+import logging
 import os
 import random
+import re
+import shutil
+import socket
 import subprocess
 import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-MANIFEST = "manifest.json"
-LATEST = "latest"
+from vitforge.core import CheckpointError, StorageError, VitforgeError, __version__, sha256_file
 
+from .distributed import agree, all_ok
+from .run_store import LATEST, MANIFEST, MANIFEST_VERSION, METRICS, RECEIPTS, Lease, RunStore, tag_for
 
-def tag_for(step: int) -> str:
-    return f"step_{step:08d}"
+log = logging.getLogger("vitforge.checkpoint")
+RANK_FILE = re.compile(r"(?:zero_pp_rank_|^rank)(\d+)_")
 
 
 def rng_state() -> dict:
@@ -44,108 +55,265 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save(run_dir: str, engine, step: int, extra_per_rank: dict, shared: dict, config: dict) -> str:
-    """Collective: every rank must call it (DeepSpeed's save hangs otherwise)."""
-    tag = tag_for(step)
-    rank = dist.get_rank()
-    engine.save_checkpoint(run_dir, tag=tag, client_state={"step": step}, save_latest=False)
-    folder = os.path.join(run_dir, tag)
-    _atomic_torch_save({**extra_per_rank, "rng": rng_state()}, os.path.join(folder, f"rank{rank}_state.pt"))
-    if rank == 0 and shared:
-        _atomic_torch_save(shared, os.path.join(folder, "shared_state.pt"))
-    dist.barrier()
-    if rank == 0:
-        files = {}
-        for root, _, names in os.walk(folder):
-            for name in sorted(names):
-                path = os.path.join(root, name)
-                files[os.path.relpath(path, folder)] = {"bytes": os.path.getsize(path), "sha256": _sha256(path)}
-        manifest = {"step": step, "world_size": dist.get_world_size(), "zero_stage": engine.zero_optimization_stage(),
-                    "config": config, "files": files}
-        _atomic_write(os.path.join(folder, MANIFEST), json.dumps(manifest, indent=1, sort_keys=True).encode())
-        _atomic_write(os.path.join(run_dir, LATEST), tag.encode())
-    dist.barrier()
-    return tag
+def needed_files(names: list[str], ranks: set[int], everything: bool) -> list[str]:
+    """The files the given ranks read to resume: shared ones plus their own (all for a conversion)."""
+    if everything:
+        return [n for n in names if not n.startswith(f"{RECEIPTS}/")]
+    keep = []
+    for name in names:
+        match = RANK_FILE.search(os.path.basename(name))
+        if match is None or int(match.group(1)) in ranks:
+            keep.append(name)
+    return keep
 
 
-def latest(run_dir: str) -> str | None:
-    """The newest complete checkpoint's tag, or None."""
-    try:
-        with open(os.path.join(run_dir, LATEST)) as f:
-            tag = f.read().strip()
-    except FileNotFoundError:
-        return None
-    if not os.path.exists(os.path.join(run_dir, tag, MANIFEST)):
-        raise RuntimeError(f"{run_dir}/{LATEST} names {tag}, which has no {MANIFEST}: the checkpoint is incomplete")
-    return tag
+@dataclass
+class Restored:
+    step: int
+    tag: str
+    mine: dict  # this rank's state: loader position
+    shared: dict  # rank 0's: EMA weights
+    manifest: dict
 
 
-def read_manifest(run_dir: str, tag: str) -> dict:
-    with open(os.path.join(run_dir, tag, MANIFEST)) as f:
-        return json.load(f)
+class Uploader:
+    """One background thread per rank; its failure is raised on the main thread at the next wait."""
+
+    def __init__(self):
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def start(self, work) -> None:
+        def run():
+            try:
+                work()
+            except BaseException as e:  # re-raised on the training thread
+                self._error = e
+
+        self._thread = threading.Thread(target=run, name="vitforge-upload", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> float:
+        """Block until the upload in flight is done; return the seconds waited."""
+        start = time.perf_counter()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            if isinstance(error, VitforgeError):
+                raise error
+            raise StorageError(f"checkpoint upload failed: {type(error).__name__}: {error}") from error
+        return time.perf_counter() - start
 
 
-def to_universal(run_dir: str, tag: str) -> str:
-    """Convert a checkpoint for another world size with DeepSpeed's ds_to_universal (once, on rank 0,
-    into a temporary folder renamed when complete); every rank waits for it. Returns the new tag."""
-    universal = f"{tag}_universal"
-    target = os.path.join(run_dir, universal)
-    if dist.get_rank() == 0 and not os.path.isdir(target):
-        partial = f"{target}.partial-{os.getpid()}"
-        command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                   os.path.join(run_dir, tag), "--output_folder", partial, "--inject_missing_state"]
-        result = subprocess.run(command, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(f"ds_to_universal failed on {run_dir}/{tag}: {result.stderr.strip()[-2000:]}")
-        os.replace(partial, target)
-        # ds_to_universal points RUN/latest_universal at the folder it wrote: the temporary name.
-        _atomic_write(os.path.join(run_dir, "latest_universal"), universal.encode())
-    dist.barrier()
-    return universal
+class Checkpointer:
+    def __init__(self, run_url: str, staging: str | None, keep_last: int | None, keep_every: int | None,
+                 lease_minutes: float, upload_timeout_minutes: float, metrics_path: str | None):
+        self.run = RunStore(run_url)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        base = staging or tempfile.gettempdir()
+        # One staging folder per run on each node, one subfolder per rank: ranks never share files.
+        self.staging = os.path.join(base, "vitforge-ckpt", re.sub(r"[^A-Za-z0-9_.-]", "_", self.run.url))
+        self.keep_last, self.keep_every = keep_last, keep_every
+        self.upload_timeout = upload_timeout_minutes * 60
+        self.metrics_path = metrics_path
+        self.uploader = Uploader()
+        self.lease = Lease(self.run, lease_minutes) if self.rank == 0 else None
+        self.last_stall: dict = {}
+
+    # -- ownership ---------------------------------------------------------------------------
+    def claim(self) -> None:
+        """Rank 0 takes the run's lease and cleans what dead attempts left; all ranks get its verdict."""
+        def take():
+            note = self.lease.acquire()
+            if note:
+                log.warning("%s", note)
+            incomplete, aborted = self.run.clean_incomplete()
+            if incomplete or aborted:
+                log.info("removed what earlier attempts left unfinished: %s%s", ", ".join(incomplete) or "",
+                         f" ({aborted} unfinished uploads aborted)" if aborted else "")
+            self.lease.start_heartbeat()
+
+        agree(take)
+
+    def release(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
+
+    # -- saving ------------------------------------------------------------------------------
+    def save(self, engine, step: int, mine: dict, shared: dict, manifest_extra: dict) -> None:
+        """Collective. Returns once the local write is done; the upload continues in the background."""
+        waited = self.uploader.wait()
+        if waited > 0.05:
+            log.info("checkpoint at step %d waited %.1f s for the previous upload", step, waited)
+        start = time.perf_counter()
+        tag = tag_for(step)
+        folder = os.path.join(self.staging, f"rank{self.rank}")
+        shutil.rmtree(folder, ignore_errors=True)
+        os.makedirs(folder, exist_ok=True)
+        engine.save_checkpoint(folder, tag=tag, client_state={"step": step}, save_latest=False)
+        torch.save({**mine, "rng": rng_state()}, os.path.join(folder, tag, f"rank{self.rank}_state.pt"))
+        if self.rank == 0 and shared:
+            torch.save(shared, os.path.join(folder, tag, "shared_state.pt"))
+        metrics = None
+        if self.rank == 0 and self.metrics_path and os.path.exists(self.metrics_path):
+            metrics = os.path.join(folder, METRICS)
+            shutil.copyfile(self.metrics_path, metrics)
+        self.last_stall = {"wait_s": waited, "write_s": time.perf_counter() - start}
+        manifest = {"step": step, "world_size": self.world_size, **manifest_extra}
+        self.uploader.start(lambda: self._upload(folder, tag, manifest, metrics))
+
+    def wait(self) -> None:
+        """Block until every upload of this rank (and, on rank 0, the manifest and `latest`) is done."""
+        self.uploader.wait()
+
+    def _upload(self, folder: str, tag: str, manifest: dict, metrics: str | None) -> None:
+        root = os.path.join(folder, tag)
+        names = sorted(os.path.relpath(os.path.join(d, n), root) for d, _, ns in os.walk(root) for n in ns)
+
+        def one(name: str) -> tuple[str, dict]:
+            path = os.path.join(root, name)
+            record = {"bytes": os.path.getsize(path), "sha256": sha256_file(path)}
+            self.run.upload(path, f"{tag}/{name}")
+            return name, record
+
+        with ThreadPoolExecutor(4) as pool:
+            files = dict(pool.map(one, names))
+        self.run.put_bytes(f"{tag}/{RECEIPTS}/rank{self.rank}.json", json.dumps({"files": files}).encode())
+        if self.rank == 0:
+            self._finalize(tag, manifest, metrics)
+        shutil.rmtree(folder, ignore_errors=True)
+
+    def _finalize(self, tag: str, manifest: dict, metrics: str | None) -> None:
+        deadline = time.monotonic() + self.upload_timeout
+        while True:
+            receipts = self.run.receipts(tag)
+            if len(receipts) >= self.world_size:
+                break
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(self.world_size)) - set(receipts))
+                raise StorageError(f"{self.run.object_url(tag)}: ranks {missing} did not finish uploading within "
+                                   f"{self.upload_timeout / 60:.0f} minutes")
+            time.sleep(0.2)
+        files = {name: meta for r in sorted(receipts) for name, meta in receipts[r]["files"].items()}
+        manifest = {"manifest_version": MANIFEST_VERSION, "created_by": f"vitforge {__version__}",
+                    "versions": _versions(), "files": dict(sorted(files.items())), **manifest}
+        self.run.put_bytes(f"{tag}/{MANIFEST}", json.dumps(manifest, indent=1, sort_keys=True).encode())
+        if metrics:
+            self.run.upload(metrics, METRICS)
+        self.lease.refresh()  # ownership checked right before `latest` moves
+        self.run.put_bytes(LATEST, tag.encode())
+        deleted = self.run.retention(self.keep_last, self.keep_every, tag)
+        log.info("checkpoint %s complete%s", self.run.object_url(tag),
+                 f"; retention removed {', '.join(deleted)}" if deleted else "")
+
+    # -- restoring ---------------------------------------------------------------------------
+    def restore(self, engine_for, resume) -> tuple[object, Restored | None]:
+        """Collective. `engine_for(universal: bool)` builds the engine (DeepSpeed must know at
+        construction whether it will load a universal checkpoint). Returns (engine, restored or None)."""
+        candidates = agree(lambda: self.run.candidates(resume))
+        explicit = resume not in ("auto", "never")
+        engine = None
+        for n, tag in enumerate(candidates):
+            try:
+                manifest = agree(lambda: self.run.manifest(tag))
+                resharded = manifest["world_size"] != self.world_size
+                load_dir = self._fetch(tag, manifest, resharded)
+                if engine is None or resharded != getattr(engine, "_vitforge_universal", False):
+                    engine = engine_for(resharded)
+                    engine._vitforge_universal = resharded
+                restored = self._load(engine, load_dir, tag, manifest, resharded)
+                return engine, restored
+            except CheckpointError as e:
+                if explicit:
+                    raise
+                later = candidates[n + 1] if n + 1 < len(candidates) else None
+                log.warning("checkpoint %s is unusable: %s; %s", self.run.object_url(tag), e,
+                            f"falling back to {later}" if later else "no older complete checkpoint")
+        if candidates:
+            raise CheckpointError(f"{self.run.url}: no usable checkpoint among {', '.join(candidates)} "
+                                  "(see the warnings above); set checkpoint.resume=never to start afresh")
+        return engine or engine_for(False), None
+
+    def _fetch(self, tag: str, manifest: dict, everything: bool) -> str:
+        """Every node's first rank fetches (and checks) the files its ranks need; all agree on the result."""
+        hosts = [None] * self.world_size
+        dist.all_gather_object(hosts, socket.gethostname())
+        mine = socket.gethostname()
+        node_ranks = {r for r, h in enumerate(hosts) if h == mine}
+        leader = min(node_ranks) == self.rank
+        folder = os.path.join(self.staging, "restore")
+
+        def fetch() -> str:
+            if not leader:
+                return ""
+            shutil.rmtree(folder, ignore_errors=True)
+            names = needed_files(sorted(manifest["files"]), node_ranks, everything)
+            return self.run.fetch(tag, names, manifest, folder)
+
+        where = all_ok(fetch)
+        load_dir = where[min(node_ranks)]
+        if everything:
+            load_dir = self._to_universal(load_dir, tag, leader)
+        return load_dir
+
+    def _to_universal(self, load_dir: str, tag: str, leader: bool) -> str:
+        """DeepSpeed's ds_to_universal, once per node, into staging (never into the store)."""
+        target = os.path.join(self.staging, "universal")
+
+        def convert() -> str:
+            if leader:
+                shutil.rmtree(target, ignore_errors=True)
+                command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                           os.path.join(load_dir, tag), "--output_folder", os.path.join(target, f"{tag}_universal"),
+                           "--inject_missing_state"]
+                result = subprocess.run(command, capture_output=True, text=True)
+                if result.returncode != 0:
+                    raise CheckpointError(f"ds_to_universal failed on {self.run.object_url(tag)}: "
+                                          f"{result.stderr.strip()[-1000:]}")
+            return target
+
+        all_ok(convert)
+        log.info("converted %s (saved at another world size) to a universal checkpoint", self.run.object_url(tag))
+        return target
+
+    def _load(self, engine, load_dir: str, tag: str, manifest: dict, resharded: bool) -> Restored:
+        def load():
+            path, _ = engine.load_checkpoint(load_dir, tag=f"{tag}_universal" if resharded else tag,
+                                             load_module_strict=True)
+            if path is None:
+                raise CheckpointError(f"{self.run.object_url(tag)}: DeepSpeed could not load the checkpoint")
+            state_rank = 0 if resharded else self.rank
+            base = os.path.join(self.run.store.local_path("") or os.path.join(self.staging, "restore"), tag)
+            mine = torch.load(os.path.join(base, f"rank{state_rank}_state.pt"), weights_only=False)
+            shared_path = os.path.join(base, "shared_state.pt")
+            shared = torch.load(shared_path, weights_only=False) if os.path.exists(shared_path) else {}
+            return mine, shared
+
+        try:
+            mine, shared = load()
+        except RuntimeError as e:  # a size mismatch: the checkpoint is of another model
+            raise CheckpointError(f"{self.run.object_url(tag)}: does not fit this model: {_first_line(e)}") from None
+        saved_rng = mine.pop("rng")
+        if resharded:
+            seed = manifest["config"]["train"]["seed"] + 1000003 * manifest["step"] + self.rank
+            random.seed(seed)
+            np.random.seed(seed % 2**32)
+            torch.manual_seed(seed)
+        else:
+            set_rng_state(saved_rng)
+        return Restored(manifest["step"], tag, mine, shared, manifest)
 
 
-def load(run_dir: str, tag: str, engine) -> tuple[int, dict, dict]:
-    """Restore model, optimizer and DeepSpeed state; return (step, this rank's state, shared state).
-
-    At another world size (the engine built with `load_universal`), the weights and optimizer
-    state come from the universal conversion; the loader position is rank-independent, so rank
-    0's is used by all; RNG states are reseeded from (seed, step, rank)."""
-    manifest = read_manifest(run_dir, tag)
-    resharded = manifest["world_size"] != dist.get_world_size()
-    path, _ = engine.load_checkpoint(run_dir, tag=to_universal(run_dir, tag) if resharded else tag)
-    if path is None:
-        raise RuntimeError(f"{run_dir}/{tag}: DeepSpeed could not load the checkpoint")
-    folder = os.path.join(run_dir, tag)
-    rank = dist.get_rank() if not resharded else 0
-    mine = torch.load(os.path.join(folder, f"rank{rank}_state.pt"), weights_only=False)
-    shared_path = os.path.join(folder, "shared_state.pt")
-    shared = torch.load(shared_path, weights_only=False) if os.path.exists(shared_path) else {}
-    saved_rng = mine.pop("rng")
-    if resharded:
-        seed = manifest["config"]["train"]["seed"] + 1000003 * manifest["step"] + dist.get_rank()
-        random.seed(seed)
-        np.random.seed(seed % 2**32)
-        torch.manual_seed(seed)
-    else:
-        set_rng_state(saved_rng)
-    return manifest["step"], mine, shared
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
-def _sha256(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+def _versions() -> dict:
+    import deepspeed
+    import timm
 
-
-def _atomic_torch_save(obj, path: str) -> None:
-    tmp = f"{path}.partial-{os.getpid()}"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
-def _atomic_write(path: str, data: bytes) -> None:
-    tmp = f"{path}.partial-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    return {"vitforge": __version__, "torch": torch.__version__, "deepspeed": deepspeed.__version__,
+            "timm": timm.__version__, "python": sys.version.split()[0]}

@@ -10,13 +10,15 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from vitforge.core import UsageError
 
 RECIPES = Path(__file__).resolve().parent / "recipes"
 
 
-class ConfigError(ValueError):
-    pass
+class ConfigError(UsageError):
+    kind = "config error"
 
 
 class Strict(BaseModel):
@@ -25,9 +27,9 @@ class Strict(BaseModel):
 
 class ModelConfig(Strict):
     name: str = "vit_base_patch16_224"  # a timm name, or one of trainer.model.TINY_MODELS
-    image_size: int = 224
-    num_classes: int | None = None  # None: from the training set's dataset.json
-    drop_path: float = 0.0
+    image_size: int = Field(224, ge=8)
+    num_classes: int | None = Field(None, ge=1)  # None: from the training set's dataset.json
+    drop_path: float = Field(0.0, ge=0, lt=1)
     grad_checkpointing: bool = False
 
 
@@ -35,43 +37,88 @@ class DataConfig(Strict):
     train: str  # dataset folder or s3:// prefix (dataset.json), or "synthetic"
     val: str | None = None
     backend: Literal["auto", "dali", "dali-cpu", "torch", "synthetic"] = "auto"
-    workers: int = 4
+    workers: int = Field(4, ge=0)
     seed: int = 0
 
 
 class OptimizerConfig(Strict):
     name: Literal["adamw", "sgd"] = "adamw"
-    lr: float = 3e-4  # peak learning rate
+    lr: float = Field(3e-4, gt=0)  # peak learning rate
     betas: tuple[float, float] = (0.9, 0.999)
     momentum: float = 0.9
-    weight_decay: float = 0.1  # never on norms, biases, position embeddings or the class token
-    warmup_steps: int = 10_000
+    weight_decay: float = Field(0.1, ge=0)  # never on norms, biases, position embeddings or the class token
+    warmup_steps: int = Field(10_000, ge=0)
     schedule: Literal["linear", "cosine", "constant"] = "linear"
-    min_lr: float = 0.0
-    grad_clip: float = 1.0
+    min_lr: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, ge=0)
 
 
 class TrainConfig(Strict):
-    steps: int
-    global_batch: int
-    micro_batch: int  # per rank, per forward pass; accumulation = global / (micro * world size)
+    steps: int = Field(ge=1)
+    global_batch: int = Field(ge=1)
+    micro_batch: int = Field(ge=1)  # per rank, per forward pass; accumulation = global / (micro * world size)
     precision: Literal["fp32", "bf16"] = "bf16"
     zero_stage: Literal[0, 1, 2, 3] = 2
     offload_optimizer: bool = False
     offload_params: bool = False
-    ema_decay: float | None = None  # Polyak averaging of the weights, e.g. 0.9999 for fine-tuning
-    eval_every: int = 1000
-    log_every: int = 10
-    checkpoint_every: int = 1000
-    stop_at: int | None = None  # end this invocation (after a checkpoint) at this step; the schedule still spans `steps`
+    ema_decay: float | None = Field(None, gt=0, lt=1)  # Polyak averaging, e.g. 0.9999 for fine-tuning
+    eval_every: int = Field(1000, ge=1)
+    log_every: int = Field(10, ge=1)
+    checkpoint_every: int | None = Field(1000, ge=1)  # steps between checkpoints (None: only by minutes / at the end)
+    checkpoint_every_minutes: float | None = Field(None, gt=0)  # wall-clock interval, agreed by all ranks
+    stop_at: int | None = Field(None, ge=1)  # end this invocation (after a checkpoint) at this step; the schedule still spans `steps`
+    # End this invocation cleanly (checkpoint, then the requeue exit code) after this many minutes,
+    # e.g. a little under the scheduler's time limit.
+    max_minutes: float | None = Field(None, gt=0)
+    max_nonfinite: int = Field(1, ge=1)  # consecutive steps with a non-finite loss or gradient norm before stopping
     seed: int = 0
 
 
 class CheckpointConfig(Strict):
-    dir: str = "runs"
+    dir: str = "runs"  # a local folder, file:// or s3://BUCKET/PREFIX; the run lives in DIR/RUN
     run: str = "run"
-    init_from: str | None = None  # fine-tuning: our checkpoint folder, or a timm-format state-dict file
+    # Fine-tuning: a run or checkpoint (folder or URL) of ours, or a timm-format state-dict file.
+    init_from: str | None = None
     save: bool = True  # false: never write checkpoints (benchmarks)
+    # "auto": the newest complete checkpoint (falling back past broken ones), "never", a step
+    # number, or a checkpoint URL (DIR/RUN/step_NNNNNNNN).
+    resume: str | int = "auto"
+    staging: str | None = None  # node-local folder for writes before upload (default: the temp dir)
+    log_dir: str | None = None  # metrics.jsonl and TensorBoard (default: the run folder if local, else ./logs/RUN)
+    keep_last: int | None = Field(3, ge=1)  # newest complete checkpoints kept (None: all)
+    keep_every: int | None = Field(None, ge=1)  # also keep every checkpoint whose step is a multiple of this
+    # A run is owned by one job at a time; a lease not refreshed for this long may be taken over.
+    lease_minutes: float = Field(10.0, gt=0)
+    upload_timeout_minutes: float = Field(60.0, gt=0)  # rank 0 waits this long for every rank's upload
+
+    @field_validator("dir")
+    @classmethod
+    def _known_scheme(cls, value: str) -> str:
+        if "://" in value and not value.startswith(("file://", "s3://")):
+            raise ValueError(f"{value!r}: only a local folder, file:// or s3:// is supported")
+        if value.startswith("s3://") and not value[len("s3://"):].split("/", 1)[0]:
+            raise ValueError(f"{value!r}: no bucket in the s3:// URL")
+        return value
+
+    @field_validator("run")
+    @classmethod
+    def _plain_name(cls, value: str) -> str:
+        if not value or "/" in value or value in (".", ".."):
+            raise ValueError(f"{value!r}: a run is a plain name (no '/')")
+        return value
+
+    @field_validator("resume")
+    @classmethod
+    def _resume_form(cls, value):
+        if isinstance(value, int) and value < 0:
+            raise ValueError("a step number must be >= 0")
+        if isinstance(value, str) and value not in ("auto", "never") and not value.isdigit() and "/" not in value:
+            raise ValueError(f"{value!r}: expected auto, never, a step number or a checkpoint URL")
+        return int(value) if isinstance(value, str) and value.isdigit() else value
+
+    @property
+    def run_url(self) -> str:
+        return f"{self.dir.rstrip('/')}/{self.run}"
 
 
 class Config(Strict):
@@ -114,7 +161,7 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
         problems = []
         for error in e.errors():
             key = ".".join(str(p) for p in error["loc"]) or "(top level)"
-            message = "unknown key" if error["type"] == "extra_forbidden" else error["msg"]
+            message = "unknown key" if error["type"] == "extra_forbidden" else error["msg"].removeprefix("Value error, ")
             problems.append(f"{key}: {message}" + (f" (got {error['input']!r})" if error["type"] != "extra_forbidden"
                                                    and not isinstance(error["input"], dict) else ""))
         raise ConfigError(f"{path}: " + "; ".join(problems)) from None

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 from dataclasses import dataclass
+from typing import Callable, TypeVar
 
 import torch
 import torch.distributed as dist
+
+from vitforge.core import free_port
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -43,10 +47,7 @@ def detect_env(environ: dict | None = None) -> DistEnv:
                          env.get("MASTER_ADDR") or first_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1")),
                          int(env.get("MASTER_PORT") or 20000 + job % 20000))
     else:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        result = DistEnv(0, 1, 0, "127.0.0.1", port)
+        result = DistEnv(0, 1, 0, "127.0.0.1", free_port())
     env.update(RANK=str(result.rank), WORLD_SIZE=str(result.world_size), LOCAL_RANK=str(result.local_rank),
                MASTER_ADDR=result.master_addr, MASTER_PORT=str(result.master_port))
     return result
@@ -68,7 +69,7 @@ def init_distributed(env: DistEnv) -> torch.device:
 
 def shutdown(graceful: bool = True) -> None:
     """On success: barrier then destroy, so no rank exits while another still talks to it (about 1
-    run in 6 aborts at exit otherwise, DESIGN.md section 4). On error: destroy at once, which breaks
+    run in 6 aborts at exit otherwise, docs/ARCHITECTURE.md). On error: destroy at once, which breaks
     the other ranks' pending collectives so they fail too instead of hanging in a barrier."""
     if dist.is_available() and dist.is_initialized():
         try:
@@ -76,3 +77,35 @@ def shutdown(graceful: bool = True) -> None:
                 dist.barrier()
         finally:
             dist.destroy_process_group()
+
+
+def agree(fn: Callable[[], T]) -> T:
+    """Rank 0 runs `fn`; every rank returns its result or raises its exception. Decisions that
+    read the store (which checkpoint, who owns the run) are made once and can never differ
+    between ranks, and a failure ends every rank the same way instead of hanging the others."""
+    box: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("ok", fn())
+        except Exception as e:  # handed to every rank, raised there
+            box[0] = ("error", e)
+    dist.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if kind == "error":
+        raise value
+    return value
+
+
+def all_ok(fn: Callable[[], T]) -> list[T]:
+    """Every rank runs `fn`; if any raised, every rank raises the lowest failing rank's exception.
+    Returns every rank's result."""
+    try:
+        mine = ("ok", fn())
+    except Exception as e:  # shared with every rank, raised there
+        mine = ("error", e)
+    results: list = [None] * dist.get_world_size()
+    dist.all_gather_object(results, mine)
+    for kind, value in results:
+        if kind == "error":
+            raise value
+    return [value for _, value in results]

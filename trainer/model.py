@@ -13,6 +13,8 @@ import torch
 from timm.layers import resample_abs_pos_embed
 from timm.models.vision_transformer import VisionTransformer
 
+from .config import ConfigError
+
 # Tiny configurations for CPU tests and demos, built like the real ones.
 TINY_MODELS = {
     "vit_tiny_cpu": dict(patch_size=8, embed_dim=64, depth=2, num_heads=2, mlp_ratio=2.0),
@@ -20,6 +22,14 @@ TINY_MODELS = {
 }
 # The ViT paper's Table 1: parameter counts the timm configurations must match.
 PAPER_PARAMETERS = {"vit_base_patch16_224": 86e6, "vit_large_patch16_224": 307e6, "vit_huge_patch14_224": 632e6}
+
+
+def check_model_name(name: str) -> None:
+    """An unknown model is a config error naming the key, before any process group or data."""
+    if name not in TINY_MODELS and not timm.is_model(name):
+        close = timm.list_models(f"*{name.split('_')[0]}*")[:8] if name else []
+        raise ConfigError(f"model.name: unknown model {name!r} (tiny ones: {', '.join(TINY_MODELS)}"
+                          f"{'; timm has e.g. ' + ', '.join(close) if close else ''})")
 
 
 def build_model(name: str, num_classes: int, image_size: int, drop_path: float = 0.0) -> VisionTransformer:
@@ -30,7 +40,7 @@ def build_model(name: str, num_classes: int, image_size: int, drop_path: float =
         return timm.create_model(name, pretrained=False, num_classes=num_classes, img_size=image_size,
                                  drop_path_rate=drop_path)
     except RuntimeError as e:
-        raise ValueError(f"model.name {name!r}: {e}") from None
+        raise ConfigError(f"model.name {name!r}: {e}") from None
 
 
 def parameter_count(name: str, num_classes: int = 1000, image_size: int = 224) -> int:

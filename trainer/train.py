@@ -1,35 +1,50 @@
-"""`vitforge train` / `vitforge eval`: the training loop, readable in one screen.
+"""`vitforge train` / `vitforge eval`: a Trainer composed of components, the step readable in one screen.
 
 Step-based: one step is one optimizer update (micro-batch x accumulation x world size images);
 epochs come from the loader, whose position is checkpointed with the model, so a resumed run
-continues the same sample stream.
+continues the same sample stream. The components (engine, loaders, objective, checkpointer,
+metrics, EMA) are built by small functions and handed to the Trainer; each stateful part has
+`state_dict`/`load_state_dict`.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import random
+import tempfile
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from pipeline import IGNORE_LABEL, LoaderSpec, build_loader
+from vitforge.core import DivergedError, VitforgeError, is_remote
+from vitforge.core import errors as exit_codes
+from vitforge.pipeline import LoaderSpec, build_loader
 
-from . import checkpoint
+from .checkpoint import Checkpointer
 from .config import Config, ConfigError
-from .distributed import detect_env, init_distributed, shutdown
+from .distributed import agree, all_ok, detect_env, init_distributed, shutdown
 from .engine import build_engine, learning_rate
-from .model import adapt_state_dict, build_model, forward_flops
+from .export import consolidate, load_exact
+from .metrics import MetricsLog
+from .model import adapt_state_dict, build_model, check_model_name, forward_flops
+from .objective import OBJECTIVES, Objective
+from .preemption import StopRequest
+from .run_store import METRICS
 
 log = logging.getLogger("vitforge.train")
 # Dense bf16 peak FLOP/s per device (NVIDIA data sheets, SXM parts); MFU = model FLOPs/s / peak.
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12}
+
+
+class Requeue(VitforgeError):
+    """Stopped early on a signal or time limit with a complete checkpoint: run again to resume."""
+
+    exit_code = exit_codes.REQUEUE
+    kind = "stopped for requeue"
 
 
 def peak_flops(device: torch.device) -> float | None:
@@ -40,84 +55,33 @@ def peak_flops(device: torch.device) -> float | None:
 
 
 @dataclass
-class Metrics:
-    """Rank 0 writes one JSON line per log step (and TensorBoard scalars when tensorboard is installed)."""
-
-    run_dir: str
-    enabled: bool
-    writer: object = field(default=None, repr=False)
-
-    def __post_init__(self):
-        if self.enabled:
-            os.makedirs(self.run_dir, exist_ok=True)
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.writer = SummaryWriter(os.path.join(self.run_dir, "tensorboard"))
-            except ImportError:
-                log.info("tensorboard is not installed: metrics go to metrics.jsonl only")
-
-    def write(self, step: int, values: dict) -> None:
-        if not self.enabled:
-            return
-        with open(os.path.join(self.run_dir, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps({"step": step, **values}) + "\n")
-        if self.writer is not None:
-            for key, value in values.items():
-                if isinstance(value, (int, float)):
-                    self.writer.add_scalar(key, value, step)
-            self.writer.flush()
+class TrainState:
+    step: int = 0
+    micro: int = 0  # micro-batches since the last optimizer step
+    nonfinite_streak: int = 0
+    last_checkpoint: float = field(default_factory=time.monotonic)
 
 
-def masked_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over real labels only (-1: replaced or padding samples); 0 when there are
-    none. No data-dependent branch, so no device sync."""
-    total = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_LABEL, reduction="sum")
-    return total / (labels != IGNORE_LABEL).sum().clamp(min=1)
+@dataclass
+class Window:
+    """What the log line reports: sums since the last log step."""
+    loss: torch.Tensor
+    micro: int = 0
+    steps: int = 0
+    start: float = field(default_factory=time.perf_counter)
 
 
-def evaluate(engine, loader, params: dict | None = None) -> dict:
-    """Top-1, top-5 and loss over the whole eval set, summed across ranks; padding is ignored."""
-    model = engine.module
-    was_training = model.training
-    model.eval()
-    totals = torch.zeros(4, dtype=torch.float64)  # loss sum, top1, top5, count
-    with torch.no_grad():
-        for batch in loader:
-            images, labels = batch["image"], batch["label"]
-            logits = torch.func.functional_call(model, params, (images,)) if params else model(images)
-            valid = labels != IGNORE_LABEL
-            logits, labels = logits.float()[valid], labels[valid]
-            if len(labels):
-                top5 = logits.topk(min(5, logits.shape[1]), dim=1).indices
-                totals += torch.tensor([F.cross_entropy(logits, labels, reduction="sum").item(),
-                                        (top5[:, 0] == labels).sum().item(),
-                                        (top5 == labels[:, None]).any(dim=1).sum().item(), len(labels)],
-                                       dtype=torch.float64)
-    dist.all_reduce(totals)
-    model.train(was_training)
-    count = max(totals[3].item(), 1)
-    return {"eval_loss": totals[0].item() / count, "eval_top1": totals[1].item() / count,
-            "eval_top5": totals[2].item() / count, "eval_samples": int(totals[3].item())}
+class EMA:
+    """Polyak averaging of the weights (ZeRO <= 2: the weights must be whole on every rank)."""
 
+    def __init__(self, model: torch.nn.Module, decay: float, state: dict | None = None):
+        self.decay = decay
+        self.weights = state or {k: v.detach().float().clone() for k, v in model.named_parameters()}
 
-def load_initial_weights(engine, path: str) -> list[str]:
-    """Fine-tuning start: our checkpoint folder (consolidated from any ZeRO stage) or a timm state dict."""
-    if os.path.isdir(path):
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        state = get_fp32_state_dict_from_zero_checkpoint(path, tag=checkpoint.latest(path))
-    elif path.endswith(".safetensors"):
-        from safetensors.torch import load_file
-
-        state = load_file(path)
-    else:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        state = state.get("state_dict", state.get("model", state))
-    state = {k.removeprefix("module."): v.detach() for k, v in state.items()}
-    state, changed = adapt_state_dict(state, engine.module)
-    engine.module.load_state_dict(state, strict=True)
-    return changed
+    @torch.no_grad()
+    def update(self, model: torch.nn.Module) -> None:
+        for name, param in model.named_parameters():
+            self.weights[name].mul_(self.decay).add_(param.detach().float(), alpha=1 - self.decay)
 
 
 def _seed_everything(seed: int) -> None:
@@ -126,7 +90,7 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _loader(cfg: Config, source: str, train: bool, env, device):
+def build_data_loader(cfg: Config, source: str, train: bool, env, device):
     spec = LoaderSpec(source, batch_size=cfg.train.micro_batch, image_size=cfg.model.image_size, train=train,
                       backend="synthetic" if source == "synthetic" else cfg.data.backend, seed=cfg.data.seed,
                       workers=cfg.data.workers, dtype="bfloat16" if cfg.train.precision == "bf16" else "float32")
@@ -134,135 +98,328 @@ def _loader(cfg: Config, source: str, train: bool, env, device):
                         accumulation=cfg.accumulation(env.world_size) if train else 1)
 
 
-def run(cfg: Config, evaluate_only: str | None = None) -> dict:
-    """Train (or, with `evaluate_only` = a run folder, evaluate its latest checkpoint) on every rank."""
-    env = detect_env()
-    device = init_distributed(env)
-    ok = False
-    try:
-        result = _run(cfg, env, device, evaluate_only)
-        ok = True
-        return result
-    finally:
-        shutdown(graceful=ok)
+def metrics_folder(cfg: Config) -> str:
+    """Where metrics.jsonl and TensorBoard go: the run folder when it is local, else ./logs/RUN."""
+    if cfg.checkpoint.log_dir:
+        return cfg.checkpoint.log_dir
+    if is_remote(cfg.checkpoint.dir):
+        return os.path.join("logs", cfg.checkpoint.run)
+    return cfg.checkpoint.run_url.removeprefix("file://")
 
 
-def _run(cfg: Config, env, device, evaluate_only: str | None) -> dict:
-    cfg.accumulation(env.world_size)  # batch arithmetic checked before anything is built
-    _seed_everything(cfg.train.seed)
-    train_loader = _loader(cfg, cfg.data.train, True, env, device)
-    num_classes = cfg.model.num_classes or (train_loader.index.num_classes if train_loader.index else None)
-    if not num_classes:
-        raise ConfigError("model.num_classes is not set and the training data has no dataset.json to read it from")
-    val_loader = _loader(cfg, cfg.data.val, False, env, device) if cfg.data.val else None
-    run_dir = evaluate_only or os.path.join(cfg.checkpoint.dir, cfg.checkpoint.run)
-    tag = checkpoint.latest(run_dir)
-    if tag and not evaluate_only and checkpoint.read_manifest(run_dir, tag)["world_size"] != env.world_size:
-        # DeepSpeed must know at construction that it will load a universal checkpoint.
-        cfg = cfg.model_copy(update={"deepspeed": {**cfg.deepspeed, "checkpoint": {
-            **cfg.deepspeed.get("checkpoint", {}), "load_universal": True}}})
-    engine = build_engine(cfg, lambda: build_model(cfg.model.name, num_classes, cfg.model.image_size,
-                                                   cfg.model.drop_path), env.world_size)
-    metrics = Metrics(run_dir, enabled=env.rank == 0 and evaluate_only is None)
-    if evaluate_only:
-        return _evaluate_run(engine, val_loader, evaluate_only)
-    step, ema = 0, None
-    if tag:
-        step, mine, shared = checkpoint.load(run_dir, tag, engine)
-        train_loader.load_state_dict(mine["loader"])
-        ema = shared.get("ema")
-        log.info("resumed %s at step %d", os.path.join(run_dir, tag), step)
-    elif cfg.checkpoint.init_from:
-        changes = load_initial_weights(engine, cfg.checkpoint.init_from)
-        log.info("initialised from %s (%s)", cfg.checkpoint.init_from, "; ".join(changes) or "as is")
-    if cfg.train.ema_decay is not None and ema is None:
-        if cfg.train.zero_stage == 3:
-            raise ConfigError("train.ema_decay needs train.zero_stage <= 2 (ZeRO-3 partitions the weights)")
-        ema = {k: v.detach().float().clone() for k, v in engine.module.named_parameters()}
-    return _train(cfg, env, device, engine, train_loader, val_loader, metrics, run_dir, step, ema)
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, loader, objective: Objective, params: dict | None = None) -> dict:
+    """The objective's metrics over the whole eval set, summed across ranks; padding is ignored."""
+    was_training = model.training
+    model.eval()
+    totals = torch.zeros(4, dtype=torch.float64)
+    for batch in loader:
+        images = batch["image"]
+        logits = torch.func.functional_call(model, params, (images,)) if params else model(images)
+        totals += objective.eval_counts(logits, batch["label"])
+    dist.all_reduce(totals)
+    model.train(was_training)
+    return objective.eval_metrics(totals)
 
 
-def _evaluate_run(engine, val_loader, run_dir: str) -> dict:
-    """Weights consolidated from any ZeRO stage and world size; the EMA weights when the run kept them."""
-    if val_loader is None:
-        raise ConfigError("data.val is not set: nothing to evaluate on")
-    tag = checkpoint.latest(run_dir)
-    if tag is None:
-        raise ConfigError(f"{run_dir}: no checkpoint to evaluate")
-    load_initial_weights(engine, run_dir)
-    shared = os.path.join(run_dir, tag, "shared_state.pt")
-    ema = torch.load(shared, weights_only=False).get("ema") if os.path.exists(shared) else None
-    return {"checkpoint": os.path.join(run_dir, tag), "weights": "ema" if ema else "model",
-            **evaluate(engine, val_loader, ema)}
+class Trainer:
+    def __init__(self, cfg: Config, env, device, engine, train_loader, val_loader, objective: Objective,
+                 checkpointer: Checkpointer, metrics: MetricsLog, ema: EMA | None, manifest_extra: dict):
+        self.cfg, self.env, self.device = cfg, env, device
+        self.engine, self.train_loader, self.val_loader = engine, train_loader, val_loader
+        self.objective, self.checkpointer, self.metrics, self.ema = objective, checkpointer, metrics, ema
+        self.manifest_extra = manifest_extra
+        self.state = TrainState()
+        self.accumulation = cfg.accumulation(env.world_size)
+        self.end = min(cfg.train.steps, cfg.train.stop_at or cfg.train.steps)
+        self.flops_per_image = 3 * forward_flops(engine.module)  # forward + backward
+        self.peak = peak_flops(device)
+        self.stop = StopRequest(cfg.train.max_minutes)
+        self.window = Window(torch.zeros((), device=device))
+        self.last: dict = {}
 
+    # -- state -------------------------------------------------------------------------------
+    def state_dict(self) -> tuple[dict, dict]:
+        """(this rank's state, state kept once by rank 0)."""
+        mine = {"loader": self.train_loader.state_dict()}
+        return mine, ({"ema": self.ema.weights} if self.ema is not None else {})
 
-def _train(cfg, env, device, engine, loader, val_loader, metrics, run_dir, step, ema) -> dict:
-    accumulation = cfg.accumulation(env.world_size)
-    images_per_step = cfg.train.global_batch
-    flops_per_image = 3 * forward_flops(engine.module)  # forward + backward
-    peak = peak_flops(device)
-    window = {"loss": torch.zeros((), device=device), "micro": 0, "start": time.perf_counter(), "steps": 0}
-    micro, last = 0, {}
-    end = min(cfg.train.steps, cfg.train.stop_at or cfg.train.steps)
-    while step < end:
-        for batch in loader:
-            lr = learning_rate(cfg, step)
-            for group in engine.optimizer.param_groups:
-                group["lr"] = lr
-            loss = masked_loss(engine(batch["image"]), batch["label"])
-            engine.backward(loss)
-            engine.step()
-            window["loss"] += loss.detach().float()  # summed on the device: no sync per micro-step
-            window["micro"] += 1
-            micro += 1
-            if micro % accumulation:
-                continue
-            step += 1
-            window["steps"] += 1
-            if ema is not None:
-                with torch.no_grad():
-                    for name, param in engine.module.named_parameters():
-                        ema[name].mul_(cfg.train.ema_decay).add_(param.detach().float(), alpha=1 - cfg.train.ema_decay)
-            if step % cfg.train.log_every == 0 or step == end:
-                last = _log(engine, loader, metrics, step, lr, window, images_per_step, flops_per_image, peak, device)
-            if val_loader is not None and (step % cfg.train.eval_every == 0 or step == end):
-                last.update(evaluate(engine, val_loader, ema))
-                metrics.write(step, {k: v for k, v in last.items() if k.startswith("eval")})
-            if cfg.checkpoint.save and (step % cfg.train.checkpoint_every == 0 or step == end):
-                checkpoint.save(run_dir, engine, step, {"loader": loader.state_dict()},
-                                {"ema": ema} if ema is not None else {}, cfg.model_dump(mode="json"))
-            if step >= end:
-                break
-    return last
+    def load_state_dict(self, step: int, mine: dict, shared: dict) -> None:
+        self.state.step = step
+        self.train_loader.load_state_dict(mine["loader"])
+        if self.ema is not None and shared.get("ema"):
+            self.ema.weights = shared["ema"]
 
+    # -- the loop ----------------------------------------------------------------------------
+    def train(self) -> dict:
+        try:
+            while self.state.step < self.end:
+                for batch in self.train_loader:
+                    if self.train_step(batch) and self.after_step():
+                        return self.last
+            return self.last
+        finally:
+            self.stop.restore()
 
-def _log(engine, loader, metrics, step, lr, window, images_per_step, flops_per_image, peak, device) -> dict:
-    loss = torch.tensor([window["loss"].item(), window["micro"]], dtype=torch.float64)
-    dist.all_reduce(loss)
-    elapsed = time.perf_counter() - window["start"]
-    images_per_s = window["steps"] * images_per_step / elapsed
-    world = dist.get_world_size()
-    stats = loader.stats()
-    grad_norm = engine.get_global_grad_norm()
-    values = {
-        "loss": loss[0].item() / loss[1].item(), "lr": lr,
-        "grad_norm": float(grad_norm) if grad_norm is not None else None,
-        "images_per_s": images_per_s, "images_per_s_per_gpu": images_per_s / world,
-        "data_wait_fraction": stats["data_wait_fraction"], "bad_samples": stats["bad_samples"],
-        "mfu": flops_per_image * images_per_s / (world * peak) if peak else None,
-        "memory_gb": (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
-                      else _max_rss_bytes()) / 2**30,
-    }
-    metrics.write(step, values)
-    if dist.get_rank() == 0:
-        mfu = f" mfu {values['mfu']:.1%}" if values["mfu"] is not None else ""
-        log.info("step %d loss %.4f lr %.2e %.0f img/s (%.0f per rank) data wait %.0f%%%s",
-                 step, values["loss"], lr, images_per_s, images_per_s / world, 100 * values["data_wait_fraction"], mfu)
-    window.update(loss=torch.zeros((), device=device), micro=0, start=time.perf_counter(), steps=0)
-    return values
+    def train_step(self, batch) -> bool:
+        """One micro-batch; True when it completed an optimizer step."""
+        lr = learning_rate(self.cfg, self.state.step)
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = lr
+        loss = self.objective.loss(self.engine(batch["image"]), batch["label"])
+        self.engine.backward(loss)
+        self.engine.step()
+        self.window.loss += loss.detach().float()  # summed on the device: no sync per micro-step
+        self.window.micro += 1
+        self.state.micro += 1
+        if self.state.micro % self.accumulation:
+            return False
+        self.state.step += 1
+        self.window.steps += 1
+        self.step_loss = loss.detach().float()
+        self.lr = lr
+        return True
+
+    def after_step(self) -> bool:
+        """Log, evaluate, check, checkpoint, stop; True when this invocation should end."""
+        step, cfg = self.state.step, self.cfg
+        stop_reason, nonfinite, timed = self.agree_on_step()
+        if nonfinite:
+            self.state.nonfinite_streak += 1
+            if self.state.nonfinite_streak >= cfg.train.max_nonfinite:
+                raise DivergedError(f"step {step}: the loss or gradient norm is not finite "
+                                    f"({self.state.nonfinite_streak} consecutive step(s), train.max_nonfinite "
+                                    f"{cfg.train.max_nonfinite}); stopped before it reached a checkpoint")
+        else:
+            self.state.nonfinite_streak = 0
+        if self.ema is not None:
+            self.ema.update(self.engine.module)
+        if step % cfg.train.log_every == 0 or step == self.end:
+            self.last = self.log_step()
+        if self.val_loader is not None and (step % cfg.train.eval_every == 0 or step == self.end):
+            self.last.update(evaluate(self.engine.module, self.val_loader, self.objective,
+                                      self.ema.weights if self.ema else None))
+            self.metrics.write(step, {k: v for k, v in self.last.items() if k.startswith("eval")})
+        due = (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0) or timed or step == self.end
+        if stop_reason:
+            self.save(wait=True)
+            raise Requeue(f"stopped at step {step} ({stop_reason}); checkpoint "
+                          f"{self.checkpointer.run.object_url(f'step_{step:08d}') if cfg.checkpoint.save else '(none: checkpoint.save is false)'}"
+                          " is complete: run the same command again to resume")
+        if due:
+            self.save(wait=step == self.end)
+        return step >= self.end
+
+    def agree_on_step(self) -> tuple[str | None, bool, bool]:
+        """One small all-reduce per step: does any rank want to stop (signal, time budget), is the
+        loss or gradient norm non-finite anywhere, is a timed checkpoint due (rank 0's clock)."""
+        reason = self.stop.reason()
+        grad_norm = self.engine.get_global_grad_norm()
+        finite = torch.isfinite(self.step_loss)
+        if grad_norm is not None:
+            finite = finite & torch.isfinite(torch.as_tensor(grad_norm, dtype=torch.float32, device=self.device))
+        minutes = self.cfg.train.checkpoint_every_minutes
+        timed = bool(minutes) and self.env.rank == 0 and \
+            time.monotonic() - self.state.last_checkpoint >= minutes * 60
+        flags = torch.stack([torch.tensor(float(reason is not None), device=self.device),
+                             (~finite).float().to(self.device), torch.tensor(float(timed), device=self.device)])
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        stop, nonfinite, timed = (bool(v) for v in flags.tolist())
+        if stop and reason is None:
+            reason = "another rank was signalled"
+        return (reason if stop else None), nonfinite, timed
+
+    def save(self, wait: bool) -> None:
+        if not self.cfg.checkpoint.save:
+            return
+        if self.state.nonfinite_streak:
+            log.warning("step %d: not saving a checkpoint of a model with non-finite values", self.state.step)
+            return
+        mine, shared = self.state_dict()
+        self.checkpointer.save(self.engine, self.state.step, mine, shared,
+                               {**self.manifest_extra, "zero_stage": self.engine.zero_optimization_stage()})
+        self.state.last_checkpoint = time.monotonic()
+        stall = self.checkpointer.last_stall
+        log.info("step %d: checkpoint written locally in %.2f s (waited %.2f s for the previous upload)%s",
+                 self.state.step, stall["write_s"], stall["wait_s"], "; uploading" if not wait else "")
+        if wait:
+            self.checkpointer.wait()
+            dist.barrier()
+
+    def log_step(self) -> dict:
+        window, step = self.window, self.state.step
+        loss = torch.tensor([window.loss.item(), window.micro], dtype=torch.float64)
+        dist.all_reduce(loss)
+        elapsed = time.perf_counter() - window.start
+        images_per_s = window.steps * self.cfg.train.global_batch / elapsed
+        world = self.env.world_size
+        stats = self.train_loader.stats()
+        grad_norm = self.engine.get_global_grad_norm()
+        values = {
+            "loss": loss[0].item() / loss[1].item(), "lr": self.lr,
+            "grad_norm": float(grad_norm) if grad_norm is not None else None,
+            "images_per_s": images_per_s, "images_per_s_per_gpu": images_per_s / world,
+            "data_wait_fraction": stats["data_wait_fraction"], "bad_samples": stats["bad_samples"],
+            "mfu": self.flops_per_image * images_per_s / (world * self.peak) if self.peak else None,
+            "memory_gb": (torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda"
+                          else _max_rss_bytes()) / 2**30,
+        }
+        self.metrics.write(step, values)
+        if self.env.rank == 0:
+            mfu = f" mfu {values['mfu']:.1%}" if values["mfu"] is not None else ""
+            log.info("step %d loss %.4f lr %.2e %.0f img/s (%.0f per rank) data wait %.0f%%%s", step,
+                     values["loss"], self.lr, images_per_s, images_per_s / world,
+                     100 * values["data_wait_fraction"], mfu)
+        self.window = Window(torch.zeros((), device=self.device))
+        return values
 
 
 def _max_rss_bytes() -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# -- entry points ----------------------------------------------------------------------------
+def run(cfg: Config) -> dict:
+    """Train on every rank of the job."""
+    check_model_name(cfg.model.name)
+    cfg.accumulation(int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1"))))
+    env = detect_env()
+    device = init_distributed(env)
+    checkpointer = None
+    ok = False
+    try:
+        trainer, checkpointer = _build(cfg, env, device)
+        result = trainer.train()
+        checkpointer.wait()
+        ok = True
+        return result
+    except Requeue:
+        ok = True  # every rank agreed to stop and the checkpoint is complete: leave together
+        raise
+    finally:
+        if checkpointer is not None:
+            try:
+                checkpointer.release()
+            except Exception as e:  # the lease expires by itself; never mask the real outcome
+                log.warning("could not release the run's lease: %s", e)
+        shutdown(graceful=ok)
+
+
+def _build(cfg: Config, env, device) -> tuple[Trainer, Checkpointer]:
+    cfg.accumulation(env.world_size)  # batch arithmetic checked before anything is built
+    _seed_everything(cfg.train.seed)
+    train_loader = build_data_loader(cfg, cfg.data.train, True, env, device)
+    index = train_loader.index
+    num_classes = cfg.model.num_classes or (index.num_classes if index else None)
+    if not num_classes:
+        raise ConfigError("model.num_classes is not set and the training data has no dataset.json to read it from")
+    val_loader = build_data_loader(cfg, cfg.data.val, False, env, device) if cfg.data.val else None
+    metrics = MetricsLog(metrics_folder(cfg), enabled=env.rank == 0)
+    checkpointer = Checkpointer(cfg.checkpoint.run_url, cfg.checkpoint.staging, cfg.checkpoint.keep_last,
+                                cfg.checkpoint.keep_every, cfg.checkpoint.lease_minutes,
+                                cfg.checkpoint.upload_timeout_minutes, metrics.path if env.rank == 0 else None)
+    if cfg.checkpoint.save:
+        checkpointer.claim()
+
+    def engine_for(universal: bool):
+        config = cfg
+        if universal:  # DeepSpeed must know at construction that it will load a universal checkpoint
+            config = cfg.model_copy(update={"deepspeed": {**cfg.deepspeed, "checkpoint": {
+                **cfg.deepspeed.get("checkpoint", {}), "load_universal": True}}})
+        return build_engine(config, lambda: build_model(cfg.model.name, num_classes, cfg.model.image_size,
+                                                        cfg.model.drop_path), env.world_size)
+
+    engine, restored = checkpointer.restore(engine_for, cfg.checkpoint.resume)
+    ema = None
+    if cfg.train.ema_decay is not None:
+        if cfg.train.zero_stage == 3:
+            raise ConfigError("train.ema_decay needs train.zero_stage <= 2 (ZeRO-3 partitions the weights)")
+        ema = EMA(engine.module, cfg.train.ema_decay)
+    classes = getattr(index, "classes", None)
+    trainer = Trainer(cfg, env, device, engine, train_loader, val_loader, OBJECTIVES["classification"],
+                      checkpointer, metrics, ema, {"config": cfg.model_dump(mode="json"), "num_classes": num_classes,
+                                                   "classes": classes, "objective": "classification"})
+    metrics.open()
+    if restored is not None:
+        trainer.load_state_dict(restored.step, restored.mine, restored.shared)
+        saved = _saved_metrics(checkpointer) if env.rank == 0 else None
+        metrics.resume_at(restored.step, saved)
+        log.info("resumed %s at step %d", checkpointer.run.object_url(restored.tag), restored.step)
+    else:
+        metrics.resume_at(0, None)
+        if cfg.checkpoint.init_from:
+            changes = _init_from(engine, cfg.checkpoint.init_from)
+            log.info("initialised from %s (%s)", cfg.checkpoint.init_from, "; ".join(changes) or "as is")
+    return trainer, checkpointer
+
+
+def _saved_metrics(checkpointer: Checkpointer) -> bytes | None:
+    try:
+        return checkpointer.run.get_bytes(METRICS)
+    except FileNotFoundError:
+        return None
+
+
+def _init_from(engine, source: str) -> list[str]:
+    """Fine-tuning start: a run or checkpoint of ours (any ZeRO stage, local or s3://), or a timm
+    state-dict file. The only place a layer may be replaced, and it says which."""
+    def load() -> dict:
+        if source.endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            return load_file(source)
+        if os.path.isfile(source):
+            state = torch.load(source, map_location="cpu", weights_only=True)
+            return state.get("state_dict", state.get("model", state))
+        with tempfile.TemporaryDirectory(prefix="vitforge-init-") as scratch:
+            return consolidate(source, scratch, prefer_ema=True).state
+
+    state = all_ok(load)[dist.get_rank()]
+    state = {k.removeprefix("module."): v.detach() for k, v in state.items()}
+    state, changed = adapt_state_dict(state, engine.module)
+    if engine.zero_optimization_stage() == 3:
+        import deepspeed
+
+        for name, param in engine.module.named_parameters():
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+                if dist.get_rank() == 0:
+                    param.data.copy_(state[name])
+    else:
+        load_exact(engine.module, state, source)
+    return changed
+
+
+def run_eval(cfg: Config, checkpoint_url: str, model_overrides: set[str]) -> dict:
+    """Evaluate a checkpoint on data.val: the model and class map come from its manifest (keys
+    set with --set model.X win), the training data is never touched."""
+    if not cfg.data.val:
+        raise ConfigError("data.val is not set: nothing to evaluate on (--set data.val=...)")
+    env = detect_env()
+    device = init_distributed(env)
+    ok = False
+    try:
+        with tempfile.TemporaryDirectory(prefix="vitforge-eval-") as scratch:
+            weights = agree(lambda: consolidate(checkpoint_url, scratch))
+            saved = weights.manifest.get("config", {}).get("model", {})
+            model_cfg = cfg.model.model_copy(update={k: v for k, v in saved.items() if k not in model_overrides})
+            num_classes = model_cfg.num_classes or weights.manifest.get("num_classes")
+            check_model_name(model_cfg.name)
+            eval_cfg = cfg.model_copy(update={"model": model_cfg})
+            val_loader = build_data_loader(eval_cfg, cfg.data.val, False, env, device)
+            _check_classes(weights.manifest.get("classes"), getattr(val_loader.index, "classes", None))
+            model = build_model(model_cfg.name, num_classes, model_cfg.image_size).to(device)
+            load_exact(model, weights.state, weights.url)
+            result = {"checkpoint": weights.url, "weights": weights.weights,
+                      **evaluate(model, val_loader, OBJECTIVES[weights.manifest.get("objective", "classification")])}
+        ok = True
+        return result
+    finally:
+        shutdown(graceful=ok)
+
+
+def _check_classes(trained: list[str] | None, evaluated: list[str] | None) -> None:
+    if trained and evaluated and list(trained) != list(evaluated):
+        raise ConfigError(f"data.val has classes {evaluated[:5]}... but the checkpoint was trained on "
+                          f"{trained[:5]}...: the labels would not mean the same thing")

@@ -1,10 +1,16 @@
-"""The one `vitforge` command; each subcommand belongs to the package that does the work."""
+"""The one `vitforge` command; each subcommand belongs to the package that does the work.
+
+Every subcommand follows one exit-code convention (vitforge.core.errors, listed in the README):
+an expected failure is one line `vitforge: <kind>: <message>` on rank 0 and its code, never a
+traceback; only a bug prints a traceback (code 70).
+"""
 
 from __future__ import annotations
 
 import sys
+import traceback
 
-from . import __version__
+from vitforge.core import VitforgeError, __version__, errors, process_rank
 
 USAGE = f"""\
 vitforge {__version__}
@@ -15,36 +21,68 @@ commands:
   shard          pack images into validated WebDataset shards (also: shard merge | verify | info)
   loader-bench   measure a loader backend (DALI / torch) on your shards
   train          train a ViT with DeepSpeed ZeRO from a YAML recipe (--set key=value overrides)
-  eval           evaluate a run's latest checkpoint
-  demo           generate a small learnable corpus, shard it, verify it, print the report
+  eval           evaluate a checkpoint (local or s3://) on held-out shards
+  ckpt           list, verify or export a run's checkpoints (ckpt list | verify | export)
+  demo           generate a small learnable corpus, shard it, train on it, evaluate
+
+exit codes: 0 ok, 1 a verification found problems, 2 bad usage/config/input, 3 storage unreachable
+or denied (or the run is owned by another job), 4 checkpoint missing/corrupt/incompatible,
+5 training diverged (non-finite loss), 70 internal error (a bug), 75 stopped on a signal or
+time limit after a complete checkpoint: run again to resume, 130 interrupted.
 
 'vitforge COMMAND --help' describes each command."""
+
+
+def _dispatch(command: str, rest: list[str]) -> int:
+    if command == "shard":
+        from vitforge.shards.cli import main as shard_main
+
+        return shard_main(rest)
+    if command == "loader-bench":
+        from vitforge.pipeline.cli import main as loader_bench_main
+
+        return loader_bench_main(rest)
+    if command in ("train", "eval"):
+        from vitforge.trainer.cli import main as trainer_main
+
+        return trainer_main(rest, evaluate=command == "eval")
+    if command == "ckpt":
+        from vitforge.trainer.ckpt_cli import main as ckpt_main
+
+        return ckpt_main(rest)
+    if command == "demo":
+        from .demo import main as demo_main
+
+        return demo_main(rest)
+    print(f"vitforge: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+    return errors.USAGE
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
-        return 0
+        return errors.OK
     if argv[0] == "--version":
         print(f"vitforge {__version__}")
-        return 0
-    command, rest = argv[0], argv[1:]
-    if command == "shard":
-        from shards.cli import main as shard_main
+        return errors.OK
+    try:
+        return _dispatch(argv[0], argv[1:])
+    except VitforgeError as e:
+        _say(f"vitforge: {e.kind}: {e}")
+        return e.exit_code
+    except OSError as e:
+        _say(f"vitforge: storage error: {e}")
+        return errors.STORAGE
+    except KeyboardInterrupt:
+        _say("vitforge: interrupted")
+        return 130
+    except Exception:
+        traceback.print_exc()
+        return errors.INTERNAL
 
-        return shard_main(rest)
-    if command == "loader-bench":
-        from pipeline.cli import main as loader_bench_main
 
-        return loader_bench_main(rest)
-    if command in ("train", "eval"):
-        from trainer.cli import main as trainer_main
-
-        return trainer_main(rest, evaluate=command == "eval")
-    if command == "demo":
-        from .demo import main as demo_main
-
-        return demo_main(rest)
-    print(f"vitforge: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
-    return 2
+def _say(line: str) -> None:
+    """Every rank of a job fails the same way (decisions are agreed), so only rank 0 speaks."""
+    if process_rank() == 0:
+        print(line, file=sys.stderr)

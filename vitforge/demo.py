@@ -9,8 +9,8 @@ import argparse
 import os
 import shutil
 
-from shards.cli import main as shard_main
-from trainer.cli import main as trainer_main
+from vitforge.shards.cli import main as shard_main
+from vitforge.trainer.cli import main as trainer_main
 
 from .synthetic import write_class_folders
 

@@ -1,0 +1,20 @@
+"""The foundation every vitforge package imports downward: object stores, retries, all-or-nothing
+files, checksums, progress, logging set-up, errors and exit codes, the version."""
+
+__version__ = "0.2.0"
+
+from .errors import (CheckpointError, DivergedError, PreconditionFailed, StorageError, UsageError,  # noqa: E402
+                     VitforgeError)
+from .files import PARTIAL_MARK, atomic_path, atomic_write, sha256_file  # noqa: E402
+from .logs import process_rank, setup_logging  # noqa: E402
+from .net import free_port  # noqa: E402
+from .progress import Progress  # noqa: E402
+from .retry import TransientError, with_retries  # noqa: E402
+from .store import LocalStore, S3Store, is_remote, open_store, process_alive  # noqa: E402
+
+__all__ = [
+    "CheckpointError", "DivergedError", "LocalStore", "PARTIAL_MARK", "PreconditionFailed", "Progress", "S3Store",
+    "StorageError", "TransientError", "UsageError", "VitforgeError", "__version__", "atomic_path", "atomic_write",
+    "free_port", "is_remote", "open_store", "process_alive", "process_rank", "setup_logging", "sha256_file",
+    "with_retries",
+]

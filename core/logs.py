@@ -1,0 +1,19 @@
+"""Logging set-up shared by every subcommand: INFO on rank 0, warnings only elsewhere."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+
+def process_rank() -> int:
+    """This process's rank under torchrun, the deepspeed launcher or srun (0 when alone)."""
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+
+
+def setup_logging(verbose: bool = True) -> None:
+    rank = process_rank()
+    level = logging.INFO if verbose and rank == 0 else logging.WARNING
+    logging.basicConfig(level=level, format=f"%(asctime)s [rank {rank}] %(name)s %(levelname)s %(message)s",
+                        stream=sys.stderr, force=True)

@@ -1,0 +1,312 @@
+"""A training run in object storage: its checkpoints, manifests, `latest` pointer, ownership lease
+and retention. Plain I/O over `vitforge.core` stores; no torch, no collectives, so `vitforge ckpt`
+uses it as it is.
+
+Layout of DIR/RUN (a local folder, file:// or s3://):
+    step_NNNNNNNN/...                 DeepSpeed's files, rank{r}_state.pt, shared_state.pt
+    step_NNNNNNNN/receipts/rank{r}.json   what rank r uploaded (name, bytes, sha256)
+    step_NNNNNNNN/manifest.json       written by rank 0 after every receipt: the checkpoint exists from here
+    latest                            the newest complete tag, written after its manifest
+    lease.json                        which job owns the run, refreshed while it trains
+    metrics.jsonl                     the run's metrics up to the newest checkpoint
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from vitforge.core import (CheckpointError, PreconditionFailed, StorageError, open_store, process_alive,
+                           sha256_file)
+
+MANIFEST = "manifest.json"
+LATEST = "latest"
+LEASE = "lease.json"
+METRICS = "metrics.jsonl"
+RECEIPTS = "receipts"
+TAG = re.compile(r"^step_(\d{8,})$")
+MANIFEST_VERSION = 2
+
+
+def tag_for(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def step_of(tag: str) -> int:
+    match = TAG.match(tag)
+    if not match:
+        raise CheckpointError(f"{tag!r} is not a checkpoint name (step_NNNNNNNN)")
+    return int(match.group(1))
+
+
+def split_checkpoint_url(url: str) -> tuple[str, str | None]:
+    """'DIR/RUN/step_00000012' -> ('DIR/RUN', 'step_00000012'); 'DIR/RUN' -> ('DIR/RUN', None)."""
+    head, _, last = url.rstrip("/").rpartition("/")
+    return (head, last) if TAG.match(last) else (url.rstrip("/"), None)
+
+
+@dataclass
+class RunStore:
+    url: str  # DIR/RUN
+    store: object = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self.url = self.url.rstrip("/")
+        self.store = open_store(self.url, work_dir=".tmp")
+
+    @property
+    def is_local(self) -> bool:
+        return self.store.local_path("") is not None
+
+    def object_url(self, name: str) -> str:
+        return self.store.url(name)
+
+    # -- what exists -------------------------------------------------------------------------
+    def step_folders(self) -> dict[str, dict[str, int]]:
+        """Every step folder, complete or not: tag -> {relative name: bytes}."""
+        folders: dict[str, dict[str, int]] = {}
+        for name, size in self.store.walk("").items():
+            tag, _, rest = name.partition("/")
+            if TAG.match(tag) and rest:
+                folders.setdefault(tag, {})[rest] = size
+        return dict(sorted(folders.items(), key=lambda kv: step_of(kv[0])))
+
+    def complete_tags(self) -> list[str]:
+        """Tags with a manifest, oldest first. A step folder without one does not exist."""
+        return [tag for tag, files in self.step_folders().items() if MANIFEST in files]
+
+    def latest(self) -> str | None:
+        try:
+            return self.store.get_bytes(LATEST).decode().strip() or None
+        except FileNotFoundError:
+            return None
+
+    def manifest(self, tag: str) -> dict:
+        try:
+            manifest = json.loads(self.store.get_bytes(f"{tag}/{MANIFEST}"))
+        except FileNotFoundError:
+            raise CheckpointError(f"{self.object_url(tag)}: no {MANIFEST}: the checkpoint is incomplete") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{self.object_url(f'{tag}/{MANIFEST}')}: not valid JSON ({e})") from None
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict) or "step" not in manifest:
+            raise CheckpointError(f"{self.object_url(f'{tag}/{MANIFEST}')}: not a vitforge checkpoint manifest")
+        return manifest
+
+    def candidates(self, resume: str | int) -> list[str]:
+        """Tags to try, best first: for "auto" every complete one, newest first; else just the one asked for."""
+        if resume == "never":
+            return []
+        if resume == "auto":
+            return list(reversed(self.complete_tags()))
+        tag = tag_for(resume) if isinstance(resume, int) else split_checkpoint_url(resume)[1]
+        if tag is None:
+            raise CheckpointError(f"{resume}: names no step_NNNNNNNN checkpoint")
+        return [tag]
+
+    # -- checking and fetching ---------------------------------------------------------------
+    def fetch(self, tag: str, names: list[str], manifest: dict, folder: str, threads: int = 8) -> str:
+        """Make `names` of checkpoint `tag` available on local disk with their sha256 checked before
+        anything reads them. Local stores are hashed in place; remote ones are downloaded in
+        parallel into `folder`/tag. Returns the folder that holds `tag/...`. A missing file or a
+        checksum mismatch is a CheckpointError naming the file."""
+        files = manifest["files"]
+        local_root = self.store.local_path("")
+        target = local_root if local_root is not None else folder
+
+        def one(name: str) -> None:
+            if name not in files:
+                raise CheckpointError(f"{self.object_url(f'{tag}/{name}')}: not listed in the manifest")
+            path = os.path.join(target, tag, name)
+            if local_root is None:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                try:
+                    self.store.download(f"{tag}/{name}", path)
+                except FileNotFoundError:
+                    raise CheckpointError(f"{self.object_url(f'{tag}/{name}')}: missing") from None
+            elif not os.path.exists(path):
+                raise CheckpointError(f"{self.object_url(f'{tag}/{name}')}: missing")
+            size = os.path.getsize(path)
+            if size != files[name]["bytes"]:
+                raise CheckpointError(f"{self.object_url(f'{tag}/{name}')}: {size} bytes, the manifest says "
+                                      f"{files[name]['bytes']}")
+            if sha256_file(path) != files[name]["sha256"]:
+                raise CheckpointError(f"{self.object_url(f'{tag}/{name}')}: sha256 differs from the manifest "
+                                      "(corrupt)")
+
+        with ThreadPoolExecutor(threads) as pool:
+            for future in [pool.submit(one, n) for n in sorted(names)]:
+                future.result()
+        return target
+
+    def verify(self, tag: str) -> list[str]:
+        """Every problem of one checkpoint (missing, wrong size, wrong sha256), each naming the file."""
+        try:
+            manifest = self.manifest(tag)
+        except CheckpointError as e:
+            return [str(e)]
+        present = self.step_folders().get(tag, {})
+        problems = []
+        for name, meta in sorted(manifest["files"].items()):
+            if name not in present:
+                problems.append(f"{self.object_url(f'{tag}/{name}')}: missing")
+            elif present[name] != meta["bytes"]:
+                problems.append(f"{self.object_url(f'{tag}/{name}')}: {present[name]} bytes, the manifest says "
+                                f"{meta['bytes']}")
+        checkable = [n for n in manifest["files"] if present.get(n) == manifest["files"][n]["bytes"]]
+        with tempfile.TemporaryDirectory(prefix="vitforge-verify-") as scratch:
+            def check(name: str) -> str | None:
+                try:
+                    self.fetch(tag, [name], manifest, scratch)
+                except CheckpointError as e:
+                    return str(e)
+                finally:
+                    if self.store.local_path("") is None:
+                        _remove(os.path.join(scratch, tag, name))
+                return None
+
+            with ThreadPoolExecutor(4) as pool:
+                problems += [p for p in pool.map(check, sorted(checkable)) if p]
+        return problems
+
+    # -- writing -----------------------------------------------------------------------------
+    def upload(self, local_path: str, name: str) -> None:
+        self.store.put_file(local_path, name, keep=True)
+
+    def put_bytes(self, name: str, data: bytes) -> None:
+        self.store.put_bytes(name, data)
+
+    def receipts(self, tag: str) -> dict[int, dict]:
+        names = [n for n in self.store.walk(f"{tag}/{RECEIPTS}")]
+        found = {}
+        for name in names:
+            match = re.search(r"rank(\d+)\.json$", name)
+            if match:
+                found[int(match.group(1))] = json.loads(self.store.get_bytes(name))
+        return found
+
+    def get_bytes(self, name: str) -> bytes:
+        return self.store.get_bytes(name)
+
+    def delete_tags(self, tags: list[str]) -> None:
+        folders = self.step_folders()
+        names = [f"{tag}/{name}" for tag in tags for name in sorted(folders.get(tag, {}),
+                                                                     key=lambda n: n == MANIFEST)]
+        # The manifest goes last: a deletion cut short leaves an incomplete folder, never a
+        # manifest that lists files which are gone.
+        if names:
+            self.store.delete(names)
+
+    def retention(self, keep_last: int | None, keep_every: int | None, newest: str) -> list[str]:
+        """Delete complete checkpoints beyond the newest `keep_last` unless their step is a multiple
+        of `keep_every`. Runs only after `newest` is complete, so nothing is lost to a crash."""
+        if keep_last is None:
+            return []
+        complete = [t for t in self.complete_tags() if step_of(t) <= step_of(newest)]
+        doomed = [t for t in complete[:-keep_last] if not (keep_every and step_of(t) % keep_every == 0)]
+        self.delete_tags(doomed)
+        return doomed
+
+    def clean_incomplete(self) -> tuple[list[str], int]:
+        """Remove what dead attempts left: step folders without a manifest and unfinished multipart
+        uploads. Call only while holding the lease, before this job writes anything."""
+        incomplete = [tag for tag, files in self.step_folders().items() if MANIFEST not in files]
+        self.delete_tags(incomplete)
+        return incomplete, self.store.abort_uploads("")
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def job_identity() -> dict:
+    """Who is training: a SLURM job keeps its id across requeues, so a requeued job owns its run."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if job and os.environ.get("SLURM_ARRAY_TASK_ID"):
+        job = f"{os.environ.get('SLURM_ARRAY_JOB_ID', job)}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+    host, pid = socket.gethostname(), os.getpid()
+    return {"job": f"slurm:{job}" if job else f"{host}:{pid}:{time.time_ns()}", "host": host, "pid": pid}
+
+
+class Lease:
+    """One job owns a run at a time. The lease object names the job and a heartbeat; every write
+    is a compare-and-swap on it (S3 If-Match / If-None-Match, a lock file locally), so a second
+    job can neither take a live run nor move `latest` after it lost the lease."""
+
+    def __init__(self, run: RunStore, minutes: float, me: dict | None = None):
+        self.run, self.seconds = run, minutes * 60
+        self.me = me or job_identity()
+        self.version: str | None = None
+        self.lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def acquire(self) -> str | None:
+        """Take the lease; return a note when it was taken over from a dead or stale holder."""
+        with self.lock:
+            current = self.run.store.get_versioned(LEASE)
+            note = None
+            if current is not None:
+                holder = _parse(current[0])
+                age = time.time() - holder.get("heartbeat", 0)
+                dead_here = holder.get("host") == self.me["host"] and not process_alive(int(holder.get("pid", 0)))
+                if holder.get("job") != self.me["job"] and age < self.seconds and not dead_here:
+                    raise StorageError(
+                        f"{self.run.url} is in use by job {holder.get('job')} on {holder.get('host')} (pid "
+                        f"{holder.get('pid')}, lease refreshed {age:.0f} s ago): two jobs must not write one run. "
+                        f"Use another checkpoint.run, or wait {self.seconds - age:.0f} s for the lease to expire")
+                if holder.get("job") != self.me["job"]:
+                    note = (f"took over {self.run.url} from job {holder.get('job')} "
+                            f"({'its process is gone' if dead_here else f'lease {age:.0f} s old'})")
+            self.version = self._write(current[1] if current else None)
+            return note
+
+    def refresh(self) -> None:
+        """Renew the heartbeat; fails if another job took the run meanwhile."""
+        with self.lock:
+            try:
+                self.version = self._write(self.version)
+            except PreconditionFailed:
+                current = self.run.store.get_versioned(LEASE)
+                holder = _parse(current[0]).get("job") if current else "nobody (the lease was deleted)"
+                raise StorageError(f"{self.run.url}: this job lost ownership of the run to {holder}; "
+                                   "stopping without touching its checkpoints") from None
+
+    def start_heartbeat(self) -> None:
+        def beat():
+            while not self._stop.wait(self.seconds / 4):
+                try:
+                    self.refresh()
+                except Exception:  # the next checkpoint's refresh reports it on the main path
+                    return
+
+        self._thread = threading.Thread(target=beat, name="vitforge-lease", daemon=True)
+        self._thread.start()
+
+    def release(self) -> None:
+        self._stop.set()
+        with self.lock:
+            current = self.run.store.get_versioned(LEASE)
+            if current is not None and _parse(current[0]).get("job") == self.me["job"]:
+                self.run.store.delete([LEASE])
+
+    def _write(self, version: str | None) -> str:
+        record = {**self.me, "heartbeat": time.time()}
+        return self.run.store.put_if(LEASE, json.dumps(record, sort_keys=True).encode(), version)
+
+
+def _parse(data: bytes) -> dict:
+    try:
+        value = json.loads(data)
+        return value if isinstance(value, dict) else {}
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return {}
