@@ -219,7 +219,9 @@ TRANSIENT_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTime
 def _named(url: str):
     """botocore's errors name the endpoint, not the object: say which s3:// URL failed, and why,
     in one line, without any credential."""
-    from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+    from botocore.exceptions import (BotoCoreError, ClientError, ConnectionClosedError, ConnectTimeoutError,
+                                     EndpointConnectionError, IncompleteReadError, NoCredentialsError,
+                                     ReadTimeoutError, ResponseStreamingError)
 
     try:
         yield
@@ -236,6 +238,10 @@ def _named(url: str):
     except NoCredentialsError:
         raise StorageError(f"{url}: no AWS credentials found (set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
                            "AWS_PROFILE, or an instance role)") from None
+    except (EndpointConnectionError, ConnectTimeoutError) as e:
+        raise StorageError(f"{url}: {e} (after botocore's retries)") from None
+    except (ResponseStreamingError, IncompleteReadError, ConnectionClosedError, ReadTimeoutError) as e:
+        raise TransientError(f"{url}: {e}") from None  # a body cut short: botocore does not retry it
     except BotoCoreError as e:
         raise StorageError(f"{url}: {e}") from None
 

@@ -10,10 +10,13 @@ import subprocess
 import sys
 import tarfile
 import time
+import uuid
 from pathlib import Path
 
 import pytest
 
+from faulty_proxy import FaultSchedule, start_proxy
+from vitforge.core import free_port
 from vitforge.synthetic import write_class_folders
 
 REPO = Path(__file__).resolve().parent.parent
@@ -60,16 +63,10 @@ def small_corpus(tmp_path_factory) -> Path:
     return root
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _free_base_port() -> int:
     """A port p with p and p + 10000 (SeaweedFS's gRPC offset) both free."""
     for _ in range(200):
-        port = _free_port()
+        port = free_port()
         if port + 10000 > 65000:
             continue
         try:
@@ -127,3 +124,76 @@ def s3_env(s3_server, monkeypatch):
     for key, value in s3_server["env"].items():
         monkeypatch.setenv(key, value)
     return s3_server["env"]
+
+
+# The JIT-built DeepSpeed shm op is cached with the venv: built once (about 30 s), then reused.
+EXTENSIONS = {"TORCH_EXTENSIONS_DIR": str(REPO / ".venv" / "torch_extensions"), "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="session")
+def data(tmp_path_factory):
+    """A learnable 10-class corpus: train and a held-out val set, sharded."""
+    root = tmp_path_factory.mktemp("trainer")
+    write_class_folders(str(root / "train_src"), num_classes=10, per_class=40, size=(48, 40), seed=0)
+    write_class_folders(str(root / "val_src"), num_classes=10, per_class=10, size=(48, 40), seed=1)
+    vitforge("shard", root / "train_src", root / "train", "--shard-samples", "64", "--workers", "2")
+    vitforge("shard", root / "val_src", root / "val", "--prefix", "val", "--workers", "2")
+    return root
+
+
+def train_args(data, run: str, *overrides: str, store: str | None = None) -> list[str]:
+    args = ["tiny_cpu", "--set", f"data.train={data / 'train'}", "--set", f"data.val={data / 'val'}",
+            "--set", f"checkpoint.dir={store or data / 'runs'}", "--set", f"checkpoint.run={run}",
+            "--set", "data.backend=torch", "--set", "data.workers=0"]
+    for item in overrides:
+        args += ["--set", item]
+    return args
+
+
+def train(data, run: str, *overrides: str, nproc: int = 2, check: bool = True, store: str | None = None,
+          env: dict | None = None, timeout: float = 600):
+    """`vitforge train` under torchrun with `nproc` ranks (gloo on CPU)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+           str(free_port()), "-m", "vitforge", "train", *train_args(data, run, *overrides, store=store)]
+    result = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=timeout,
+                            env={**os.environ, **EXTENSIONS, **(env or {})})
+    if check and result.returncode != 0:
+        raise AssertionError(f"training failed:\n{result.stderr[-4000:]}")
+    return result
+
+
+def start_ranks(data, run: str, *overrides: str, nproc: int = 2, store: str | None = None,
+                env: dict | None = None) -> list[subprocess.Popen]:
+    """The ranks as srun starts them: one plain process each, RANK/WORLD_SIZE/MASTER_* set, so a
+    test can signal one rank and read each rank's own exit code."""
+    port = free_port()
+    processes = []
+    for rank in range(nproc):
+        rank_env = {**os.environ, **EXTENSIONS, **(env or {}), "RANK": str(rank), "WORLD_SIZE": str(nproc),
+                    "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        processes.append(subprocess.Popen(
+            [sys.executable, "-m", "vitforge", "train", *train_args(data, run, *overrides, store=store)],
+            cwd=REPO, env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return processes
+
+
+@pytest.fixture
+def bucket(s3_server):
+    name = "vf-" + uuid.uuid4().hex[:12]
+    s3_server["client"].create_bucket(Bucket=name)
+    return name
+
+
+SECRET = "sEcReT-" + uuid.uuid4().hex  # must never appear in any output
+
+
+@pytest.fixture
+def faulty(s3_server):
+    """AWS environment pointing at a proxy that injects faults in front of the real server."""
+    schedule = FaultSchedule(slow_down_every=7, reset_every=11, cut_body_every=13)
+    port = int(s3_server["endpoint"].rsplit(":", 1)[1])
+    server, proxy_port = start_proxy(port, schedule)
+    env = {**s3_server["env"], "AWS_ENDPOINT_URL": f"http://127.0.0.1:{proxy_port}",
+           "AWS_SECRET_ACCESS_KEY": SECRET}
+    yield env, schedule
+    server.shutdown()

@@ -8,6 +8,7 @@ import http.client
 import socket
 import struct
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
@@ -15,8 +16,10 @@ SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Co
 
 
 class FaultSchedule:
-    def __init__(self, slow_down_every: int, reset_every: int, cut_body_every: int):
+    def __init__(self, slow_down_every: int, reset_every: int, cut_body_every: int, latency_s: float = 0.0):
         self.every = {"slow_down": slow_down_every, "reset": reset_every, "cut_body": cut_body_every}
+        self.latency_s = latency_s  # added to every request: a slow link, so work can be caught mid-upload
+        self.requests: list[tuple[str, str]] = []  # (method, path) of every request, faults included
         self.count = 0
         self.injected = {name: 0 for name in self.every}
         self.lock = threading.Lock()
@@ -48,6 +51,9 @@ def start_proxy(backend_port: int, schedule: FaultSchedule) -> tuple[ThreadingHT
             if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
                 raise RuntimeError("chunked request bodies are not supported by this proxy")
             body = self.rfile.read(length) if length else None
+            schedule.requests.append((self.command, self.path))
+            if schedule.latency_s:
+                time.sleep(schedule.latency_s)
             fault = schedule.next_fault()
             if fault == "reset":
                 self.close_connection = True

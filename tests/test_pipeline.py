@@ -15,6 +15,7 @@ import torch
 from PIL import Image
 
 from conftest import dataset_samples, vitforge
+from vitforge.core import CheckpointError
 from vitforge.pipeline import IGNORE_LABEL, LoaderSpec, build_loader, choose_backend
 from vitforge.synthetic import class_image, jpeg_bytes
 
@@ -193,7 +194,7 @@ def test_resume_at_another_world_size_delivers_exactly_the_rest(dataset):
 
 def test_state_from_another_dataset_is_refused(dataset):
     state = build_loader(spec(dataset, backend="torch")).state_dict()
-    with pytest.raises(ValueError, match="seed"):
+    with pytest.raises(CheckpointError, match="seed"):
         build_loader(spec(dataset, backend="torch", seed=1)).load_state_dict(state)
 
 
@@ -297,7 +298,7 @@ def test_loader_bench_cli(dataset):
     assert "dali-cpu on cpu:" in result.stdout and "images/s" in result.stdout and "CPU-ms per image" in result.stdout
     assert "loader backend: dali-cpu" in result.stderr
     bad = vitforge("loader-bench", "/nonexistent/shards", check=False)
-    assert bad.returncode == 1 and "no dataset manifest" in bad.stderr and "Traceback" not in bad.stderr
+    assert bad.returncode == 2 and "no dataset manifest" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_no_file_descriptors_leak_across_epochs(dataset):

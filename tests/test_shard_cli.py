@@ -72,7 +72,7 @@ def test_parts_then_merge_equal_one_run(small_corpus, tmp_path):
         assert "other parts are still running" in result.stdout
     assert not (parts / "dataset.json").exists()
     early = vitforge("shard", "merge", parts, check=False)
-    assert early.returncode == 1 and "not finished" in early.stderr and "train-000002.tar" in early.stderr
+    assert early.returncode == 2 and "not finished" in early.stderr and "train-000002.tar" in early.stderr
     # The last part comes from a SLURM array task id, as a job array would run it.
     shard(small_corpus, parts, "--num-parts", "3", env={"SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_MIN": "4"})
     vitforge("shard", "merge", parts)
@@ -102,7 +102,7 @@ def test_changed_parameters_refuse_to_mix(small_corpus, tmp_path):
     out = tmp_path / "out"
     shard(small_corpus, out)
     result = vitforge("shard", small_corpus, out, "--shard-samples", "16", "--seed", "3", check=False)
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert "other parameters" in result.stderr and "seed" in result.stderr
     assert "Traceback" not in result.stderr
 
@@ -148,7 +148,7 @@ def test_killed_midway_leaves_no_shard_that_looks_complete(small_corpus, tmp_pat
     for record_path in out.glob("_work/shards/*.json"):
         record = json.loads(record_path.read_text())
         assert (out / record["name"]).stat().st_size == record["bytes"]
-    assert vitforge("shard", "info", out, check=False).returncode == 1
+    assert vitforge("shard", "info", out, check=False).returncode == 2
 
 
 def test_verify_passes_then_names_each_problem(small_corpus, tmp_path):

@@ -156,13 +156,13 @@ def test_manifest_class_map_from_labels_and_integer_labels(tmp_path):
 def test_bad_manifests_fail_clearly(tmp_path, content, message):
     (tmp_path / "bad.csv").write_text(content)
     result = vitforge("shard", tmp_path / "bad.csv", tmp_path / "out", check=False)
-    assert result.returncode == 1 and message in result.stderr and "Traceback" not in result.stderr
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
 
 
 def test_broken_jsonl_names_the_line(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"path": "a.jpg", "label": 0}\n{"path": \n')
     result = vitforge("shard", tmp_path / "bad.jsonl", tmp_path / "out", check=False)
-    assert result.returncode == 1 and "bad.jsonl:2: not valid JSON" in result.stderr
+    assert result.returncode == 2 and "bad.jsonl:2: not valid JSON" in result.stderr
 
 
 def test_class_map_from_another_dataset(tmp_path, small_corpus):

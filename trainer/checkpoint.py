@@ -149,6 +149,11 @@ class Checkpointer:
             log.info("checkpoint at step %d waited %.1f s for the previous upload", step, waited)
         start = time.perf_counter()
         tag = tag_for(step)
+        if self.rank == 0 and tag in self.run.step_folders():
+            # Saving a step again (after falling back past it): the old folder goes first, manifest
+            # last, so its stale receipts and files can never be mixed into the new checkpoint.
+            # No rank uploads before DeepSpeed's save below ends in a barrier.
+            self.run.delete_tags([tag])
         folder = os.path.join(self.staging, f"rank{self.rank}")
         shutil.rmtree(folder, ignore_errors=True)
         os.makedirs(folder, exist_ok=True)

@@ -20,7 +20,7 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict:
     if train.offload_params:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     if train.zero_stage == 3:
-        # Exact logits on export (DESIGN.md section 4); the memory saving is small for ViTs.
+        # Exact logits on export (docs/ARCHITECTURE.md, measured facts); the memory saving is small for ViTs.
         zero["memory_efficient_linear"] = False
     generated = {
         "train_batch_size": train.global_batch,
@@ -71,7 +71,7 @@ def build_engine(cfg: Config, make_model: Callable[[], torch.nn.Module], world_s
     ds_config = deepspeed_config(cfg, world_size)
     if cfg.train.zero_stage == 3:
         # zero.Init partitions parameters as they are created, so timm's init runs on empty shards
-        # (DESIGN.md section 4). Rank 0 builds the model normally, with the same seed as every other
+        # (docs/ARCHITECTURE.md, measured facts). Rank 0 builds the model normally, with the same seed as every other
         # stage, and its values are copied into the partitions: ZeRO-3 starts from the same weights.
         import torch.distributed as dist
 

@@ -195,13 +195,14 @@ class RunStore:
         return self.store.get_bytes(name)
 
     def delete_tags(self, tags: list[str]) -> None:
+        """Manifests first: a deletion cut short leaves an incomplete folder (cleaned up later),
+        never a manifest that lists files which are gone."""
         folders = self.step_folders()
-        names = [f"{tag}/{name}" for tag in tags for name in sorted(folders.get(tag, {}),
-                                                                     key=lambda n: n == MANIFEST)]
-        # The manifest goes last: a deletion cut short leaves an incomplete folder, never a
-        # manifest that lists files which are gone.
-        if names:
-            self.store.delete(names)
+        manifests = [f"{tag}/{MANIFEST}" for tag in tags if MANIFEST in folders.get(tag, {})]
+        rest = [f"{tag}/{name}" for tag in tags for name in sorted(folders.get(tag, {})) if name != MANIFEST]
+        for names in (manifests, rest):
+            if names:
+                self.store.delete(names)
 
     def retention(self, keep_last: int | None, keep_every: int | None, newest: str) -> list[str]:
         """Delete complete checkpoints beyond the newest `keep_last` unless their step is a multiple

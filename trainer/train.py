@@ -124,7 +124,8 @@ def evaluate(model: torch.nn.Module, loader, objective: Objective, params: dict 
 
 class Trainer:
     def __init__(self, cfg: Config, env, device, engine, train_loader, val_loader, objective: Objective,
-                 checkpointer: Checkpointer, metrics: MetricsLog, ema: EMA | None, manifest_extra: dict):
+                 checkpointer: Checkpointer, metrics: MetricsLog, ema: EMA | None, manifest_extra: dict,
+                 stop: StopRequest):
         self.cfg, self.env, self.device = cfg, env, device
         self.engine, self.train_loader, self.val_loader = engine, train_loader, val_loader
         self.objective, self.checkpointer, self.metrics, self.ema = objective, checkpointer, metrics, ema
@@ -134,8 +135,9 @@ class Trainer:
         self.end = min(cfg.train.steps, cfg.train.stop_at or cfg.train.steps)
         self.flops_per_image = 3 * forward_flops(engine.module)  # forward + backward
         self.peak = peak_flops(device)
-        self.stop = StopRequest(cfg.train.max_minutes)
+        self.stop = stop
         self.window = Window(torch.zeros((), device=device))
+        self.step_loss = torch.zeros((), device=device)  # summed over the step's micro-batches
         self.last: dict = {}
 
     # -- state -------------------------------------------------------------------------------
@@ -152,14 +154,11 @@ class Trainer:
 
     # -- the loop ----------------------------------------------------------------------------
     def train(self) -> dict:
-        try:
-            while self.state.step < self.end:
-                for batch in self.train_loader:
-                    if self.train_step(batch) and self.after_step():
-                        return self.last
-            return self.last
-        finally:
-            self.stop.restore()
+        while self.state.step < self.end:
+            for batch in self.train_loader:
+                if self.train_step(batch) and self.after_step():
+                    return self.last
+        return self.last
 
     def train_step(self, batch) -> bool:
         """One micro-batch; True when it completed an optimizer step."""
@@ -170,13 +169,13 @@ class Trainer:
         self.engine.backward(loss)
         self.engine.step()
         self.window.loss += loss.detach().float()  # summed on the device: no sync per micro-step
+        self.step_loss += loss.detach().float()
         self.window.micro += 1
         self.state.micro += 1
         if self.state.micro % self.accumulation:
             return False
         self.state.step += 1
         self.window.steps += 1
-        self.step_loss = loss.detach().float()
         self.lr = lr
         return True
 
@@ -216,6 +215,7 @@ class Trainer:
         reason = self.stop.reason()
         grad_norm = self.engine.get_global_grad_norm()
         finite = torch.isfinite(self.step_loss)
+        self.step_loss = torch.zeros((), device=self.device)
         if grad_norm is not None:
             finite = finite & torch.isfinite(torch.as_tensor(grad_norm, dtype=torch.float32, device=self.device))
         minutes = self.cfg.train.checkpoint_every_minutes
@@ -285,12 +285,15 @@ def run(cfg: Config) -> dict:
     """Train on every rank of the job."""
     check_model_name(cfg.model.name)
     cfg.accumulation(int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1"))))
+    # First, so a preemption signal during start-up (DeepSpeed, data, downloads) stops the run
+    # cleanly at its first step instead of killing it.
+    stop = StopRequest(cfg.train.max_minutes)
     env = detect_env()
     device = init_distributed(env)
     checkpointer = None
     ok = False
     try:
-        trainer, checkpointer = _build(cfg, env, device)
+        trainer, checkpointer = _build(cfg, env, device, stop)
         result = trainer.train()
         checkpointer.wait()
         ok = True
@@ -305,9 +308,10 @@ def run(cfg: Config) -> dict:
             except Exception as e:  # the lease expires by itself; never mask the real outcome
                 log.warning("could not release the run's lease: %s", e)
         shutdown(graceful=ok)
+        stop.restore()
 
 
-def _build(cfg: Config, env, device) -> tuple[Trainer, Checkpointer]:
+def _build(cfg: Config, env, device, stop: StopRequest) -> tuple[Trainer, Checkpointer]:
     cfg.accumulation(env.world_size)  # batch arithmetic checked before anything is built
     _seed_everything(cfg.train.seed)
     train_loader = build_data_loader(cfg, cfg.data.train, True, env, device)
@@ -340,7 +344,7 @@ def _build(cfg: Config, env, device) -> tuple[Trainer, Checkpointer]:
     classes = getattr(index, "classes", None)
     trainer = Trainer(cfg, env, device, engine, train_loader, val_loader, OBJECTIVES["classification"],
                       checkpointer, metrics, ema, {"config": cfg.model_dump(mode="json"), "num_classes": num_classes,
-                                                   "classes": classes, "objective": "classification"})
+                                                   "classes": classes, "objective": "classification"}, stop)
     metrics.open()
     if restored is not None:
         trainer.load_state_dict(restored.step, restored.mine, restored.shared)

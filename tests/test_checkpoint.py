@@ -1,0 +1,308 @@
+"""Checkpoints in object storage: exact resume through faults, kill -9, corruption, preemption,
+ownership, retention, export, and the failures that must be one clear line.
+
+Real DeepSpeed ZeRO-2 across 2 processes (gloo on CPU), the SeaweedFS S3 server on 127.0.0.1
+behind the fault proxy, and plain local folders.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import EXTENSIONS, REPO, SECRET, start_ranks, train, train_args, vitforge
+from vitforge.core import errors
+
+COMMON = ["train.steps=24", "train.log_every=1", "train.checkpoint_every=6", "data.val=null",
+          "checkpoint.keep_last=10"]
+
+
+def losses(folder) -> dict[int, float]:
+    lines = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    steps = [m["step"] for m in lines if "loss" in m]
+    assert len(steps) == len(set(steps)), f"duplicated steps in metrics.jsonl: {steps}"
+    return {m["step"]: m["loss"] for m in lines if "loss" in m}
+
+
+def weights(url: str) -> dict:
+    import tempfile
+
+    from vitforge.trainer.export import consolidate
+
+    with tempfile.TemporaryDirectory() as scratch:
+        return consolidate(url, scratch, prefer_ema=False).state
+
+
+def assert_same_weights(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def straight(data):
+    """The uninterrupted reference: 24 steps, 2 ranks, local folder."""
+    train(data, "ck_straight", *COMMON)
+    return data / "runs" / "ck_straight"
+
+
+def test_s3_save_and_resume_through_faults_is_exact(data, straight, s3_server, bucket, faulty, monkeypatch,
+                                                    tmp_path):
+    env, schedule = faulty
+    store = f"s3://{bucket}/runs"
+    logs = tmp_path / "logs"
+    first = train(data, "s3run", *COMMON, "train.stop_at=12", f"checkpoint.log_dir={logs}", store=store, env=env)
+    second = train(data, "s3run", *COMMON, f"checkpoint.log_dir={logs}", store=store, env=env)
+    assert "at step 12" in second.stderr and f"{store}/s3run/step_00000012" in second.stderr
+    assert sum(schedule.injected.values()) >= 3, schedule.injected  # faults really happened, and were survived
+    assert losses(logs) == losses(straight)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert_same_weights(weights(f"{store}/s3run"), weights(str(straight)))
+    listing = vitforge("ckpt", "list", f"{store}/s3run", env=env)
+    assert "step_00000024 <- latest" in listing.stdout and "incomplete" not in listing.stdout
+    assert vitforge("ckpt", "verify", f"{store}/s3run", env=env).returncode == 0
+    client = s3_server["client"]
+    manifest = json.loads(client.get_object(Bucket=bucket, Key="runs/s3run/step_00000024/manifest.json")["Body"].read())
+    assert manifest["world_size"] == 2 and manifest["zero_stage"] == 2 and manifest["num_classes"] == 10
+    assert "rank1_state.pt" in manifest["files"] and manifest["classes"][0] == "class_00"
+    everything = first.stdout + first.stderr + second.stdout + second.stderr + json.dumps(manifest)
+    assert SECRET not in everything
+
+
+def test_kill_9_at_any_point_resumes_from_the_newest_complete_checkpoint(data, straight, s3_server, bucket,
+                                                                         tmp_path, monkeypatch):
+    """Killed while an upload is in flight (a slow link), then killed mid-training: each rerun
+    resumes from the newest complete checkpoint, never from a partial one, and ends equal."""
+    from faulty_proxy import FaultSchedule, start_proxy
+
+    schedule = FaultSchedule(0, 0, 0, latency_s=0.15)
+    server, port = start_proxy(int(s3_server["endpoint"].rsplit(":", 1)[1]), schedule)
+    slow = {**s3_server["env"], "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
+    store, logs = f"s3://{bucket}/runs", tmp_path / "logs"
+    client = s3_server["client"]
+
+    def keys() -> set[str]:
+        return {o["Key"] for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix="runs/k9/")
+                for o in page.get("Contents", [])}
+
+    def uploading() -> bool:
+        names = keys()
+        folders = {k.split("/")[2] for k in names if k.split("/")[2].startswith("step_")}
+        return any(f"runs/k9/{f}/manifest.json" not in names for f in folders)
+
+    def logged(step: int) -> bool:
+        path = logs / "metrics.jsonl"
+        return path.exists() and any(json.loads(line)["step"] >= step for line in path.read_text().splitlines())
+
+    for env, killed_when in ((slow, uploading), ({**s3_server["env"]}, lambda: logged(15))):
+        process = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+             str(_port()), "-m", "vitforge", "train",
+             *train_args(data, "k9", *COMMON, f"checkpoint.log_dir={logs}", store=store)],
+            cwd=REPO, env={**os.environ, **EXTENSIONS, **env}, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + 240
+        while not killed_when() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert process.poll() is None, "the run ended before it could be killed"
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    server.shutdown()
+    before = vitforge("ckpt", "list", f"{store}/k9", env=s3_server["env"]).stdout
+    newest = max(int(line.split()[0]) for line in before.splitlines()[1:] if " complete " in line)
+    final = train(data, "k9", *COMMON, f"checkpoint.log_dir={logs}", store=store, env=s3_server["env"])
+    assert f"at step {newest}" in final.stderr
+    assert losses(logs) == losses(straight)  # stale steps past the restored checkpoint were dropped
+    for key, value in s3_server["env"].items():
+        monkeypatch.setenv(key, value)
+    assert_same_weights(weights(f"{store}/k9"), weights(str(straight)))
+    after = vitforge("ckpt", "list", f"{store}/k9", env=s3_server["env"]).stdout
+    assert "incomplete" not in after
+    assert not [k for k in keys() if k.startswith("runs/k9/.tmp")]
+    uploads = client.list_multipart_uploads(Bucket=bucket, Prefix="runs/k9/").get("Uploads", [])
+    assert uploads == []
+
+
+def _port() -> int:
+    from vitforge.core import free_port
+
+    return free_port()
+
+
+def test_corrupt_or_incomplete_checkpoints_are_refused_before_loading(data, tmp_path):
+    run = data / "runs" / "corrupt"
+    train(data, "corrupt", "train.steps=18", "train.checkpoint_every=6", "train.stop_at=18", "data.val=null",
+          "train.log_every=1")
+    optim = run / "step_00000018" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    data_bytes = bytearray(optim.read_bytes())
+    data_bytes[len(data_bytes) // 2:len(data_bytes) // 2 + 16] = os.urandom(16)
+    optim.write_bytes(bytes(data_bytes))
+    (run / "step_00000012" / "manifest.json").write_text('{"step": 12, "files": {truncated')
+    check = vitforge("ckpt", "verify", run, check=False)
+    assert check.returncode == errors.CHECK_FAILED
+    assert "zero_pp_rank_1_mp_rank_00_optim_states.pt: sha256 differs" in check.stdout
+    assert "step_00000012/manifest.json: not valid JSON" in check.stdout
+    assert "step_00000006: OK" in check.stdout
+    resumed = train(data, "corrupt", "train.steps=24", "train.checkpoint_every=6", "data.val=null",
+                    "train.log_every=1")
+    assert "sha256 differs from the manifest" in resumed.stderr and "falling back to step_00000012" in resumed.stderr
+    assert "not valid JSON" in resumed.stderr and "falling back to step_00000006" in resumed.stderr
+    assert "at step 6" in resumed.stderr and "Traceback" not in resumed.stderr
+    history = losses(run)
+    assert all(v == v and abs(v) < 1e3 for v in history.values())  # no NaN: nothing corrupt was loaded
+    assert vitforge("ckpt", "verify", run).returncode == 0  # the re-saved 12, 18 and 24 are whole again
+
+
+def test_sigusr1_to_one_rank_saves_and_exits_for_requeue(data, straight, tmp_path):
+    ranks = start_ranks(data, "usr1", *COMMON)
+    deadline = time.monotonic() + 120
+    # The handler is installed before anything slow: signal as soon as rank 1 is up.
+    while not (data / "runs" / "usr1" / "lease.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    ranks[1].send_signal(signal.SIGUSR1)
+    time.sleep(0.05)
+    ranks[1].send_signal(signal.SIGUSR1)  # a second signal during the save changes nothing
+    outputs = [r.communicate(timeout=240) for r in ranks]
+    assert [r.returncode for r in ranks] == [errors.REQUEUE, errors.REQUEUE], outputs
+    stopped = outputs[0][1]
+    assert "stopped for requeue: stopped at step" in stopped and "another rank was signalled" in stopped
+    step = int(stopped.split("stopped at step ")[1].split()[0])
+    assert (data / "runs" / "usr1" / "latest").read_text() == f"step_{step:08d}"
+    assert (data / "runs" / "usr1" / f"step_{step:08d}" / "manifest.json").exists()
+    resumed = train(data, "usr1", *COMMON)
+    assert f"at step {step}" in resumed.stderr
+    assert losses(data / "runs" / "usr1") == losses(straight)
+    assert_same_weights(weights(str(data / "runs" / "usr1")), weights(str(straight)))
+
+
+def test_a_second_job_is_refused_and_sigterm_stops_the_first(data):
+    first = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_port()),
+         "-m", "vitforge", "train", *train_args(data, "owned", "train.steps=5000", "data.val=null",
+                                                "train.checkpoint_every=1000")],
+        cwd=REPO, env={**os.environ, **EXTENSIONS}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lease = data / "runs" / "owned" / "lease.json"
+    deadline = time.monotonic() + 120
+    while not lease.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    holder = json.loads(lease.read_text())
+    second = vitforge("train", *train_args(data, "owned", "train.steps=5000", "data.val=null"), env=EXTENSIONS,
+                      check=False)
+    assert second.returncode == errors.STORAGE
+    assert f"{data / 'runs' / 'owned'} is in use by job {holder['job']}" in second.stderr
+    assert "Traceback" not in second.stderr
+    assert len([line for line in second.stderr.splitlines() if line.startswith("vitforge:")]) == 1
+    first.send_signal(signal.SIGTERM)  # torchrun forwards it to the ranks
+    _, stderr = first.communicate(timeout=240)
+    assert "stopped at step" in stderr and "signal SIGTERM" in stderr
+    assert not lease.exists()  # released: the requeued job (or anyone) may continue at once
+
+
+def test_retention_keeps_the_newest_and_every_kth(data):
+    train(data, "keep", "train.steps=12", "train.checkpoint_every=2", "checkpoint.keep_last=2",
+          "checkpoint.keep_every=4", "data.val=null")
+    kept = sorted(p.name for p in (data / "runs" / "keep").glob("step_*"))
+    assert kept == ["step_00000004", "step_00000008", "step_00000010", "step_00000012"]
+
+
+def test_export_loads_in_timm_and_eval_needs_no_training_data(data, straight, tmp_path):
+    from safetensors.torch import load_file
+
+    from vitforge.pipeline import LoaderSpec, build_loader
+    from vitforge.trainer import build_model
+
+    out = tmp_path / "model.safetensors"
+    exported = json.loads(vitforge("ckpt", "export", straight, "--out", out).stdout)
+    description = json.loads((tmp_path / "model.json").read_text())
+    assert description["model"] == "vit_tiny_cpu" and description["num_classes"] == 10
+    assert description["classes"][3] == "class_03" and description["image_size"] == 32 == exported["image_size"]
+    model = build_model(description["model"], description["num_classes"], description["image_size"]).eval()
+    model.load_state_dict(load_file(out), strict=True)
+    evaluated = vitforge("eval", "tiny_cpu", "--checkpoint", straight, "--set", "data.train=/deleted/train",
+                         "--set", f"data.val={data / 'val'}", "--set", "data.backend=torch", "--set", "data.workers=0",
+                         env=EXTENSIONS)
+    result = json.loads(evaluated.stdout.strip().splitlines()[-1])
+    loader = build_loader(LoaderSpec(str(data / "val"), batch_size=16, image_size=32, train=False, backend="torch",
+                                     workers=0))
+    total, hits, count = 0.0, 0, 0
+    with torch.no_grad():
+        for batch in loader:
+            valid = batch["label"] >= 0
+            logits, labels = model(batch["image"])[valid], batch["label"][valid]
+            total += torch.nn.functional.cross_entropy(logits, labels, reduction="sum").item()
+            hits += (logits.argmax(1) == labels).sum().item()
+            count += len(labels)
+    assert count == result["eval_samples"] == 100
+    assert hits / count == result["eval_top1"] and abs(total / count - result["eval_loss"]) < 1e-5
+    wrong = vitforge("eval", "tiny_cpu", "--checkpoint", straight, "--set", f"data.val={data / 'val'}",
+                     "--set", "model.num_classes=12", "--set", "data.backend=torch", env=EXTENSIONS, check=False)
+    assert wrong.returncode == errors.CHECKPOINT
+    assert "parameter head.weight has shape (10, 64) in the checkpoint but (12, 64)" in wrong.stderr
+    assert "Traceback" not in wrong.stderr
+
+
+def test_non_finite_loss_stops_before_any_checkpoint_of_it(data):
+    result = train(data, "nan", "optimizer.lr=1e30", "optimizer.warmup_steps=0", "optimizer.grad_clip=0",
+                   "train.steps=20", "train.checkpoint_every=1", "data.val=null", check=False)
+    assert "diverged: step" in result.stderr and "not finite" in result.stderr
+    bad_step = int(result.stderr.split("diverged: step ")[1].split(":")[0])
+    saved = [int(p.name.split("_")[1]) for p in (data / "runs" / "nan").glob("step_*")]
+    assert saved and max(saved) < bad_step
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("override, message, code", [
+    ("model.name=vit_nonexistent_patch16", "model.name: unknown model 'vit_nonexistent_patch16'", errors.USAGE),
+    ("checkpoint.dir=gs://bucket/runs", "only a local folder, file:// or s3:// is supported", errors.USAGE),
+    ("checkpoint.dir=s3:///runs", "no bucket in the s3:// URL", errors.USAGE),
+    ("train.steps=-5", "train.steps: Input should be greater than or equal to 1", errors.USAGE),
+    ("train.checkpoint_every=0", "train.checkpoint_every: Input should be greater than or equal to 1", errors.USAGE),
+    ("checkpoint.dir=/etc/hostname/runs", "/etc/hostname", errors.STORAGE),
+])
+def test_failures_are_one_line_with_a_documented_code(data, override, message, code):
+    result = vitforge("train", *train_args(data, "bad", override), env=EXTENSIONS, check=False)
+    assert result.returncode == code, result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert len([line for line in result.stderr.splitlines() if line.startswith("vitforge:")]) == 1
+
+
+def test_unreachable_store_fails_fast_naming_the_url(data):
+    env = {**EXTENSIONS, "AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_ACCESS_KEY_ID": "x",
+           "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_DEFAULT_REGION": "us-east-1"}
+    start = time.monotonic()
+    result = vitforge("train", *train_args(data, "far", store="s3://somewhere/runs"), env=env, check=False)
+    assert result.returncode == errors.STORAGE and "s3://somewhere/runs/far" in result.stderr
+    assert time.monotonic() - start < 90 and "Traceback" not in result.stderr
+    assert SECRET not in result.stdout + result.stderr
+
+
+def test_denials_are_not_retried_and_throttling_is():
+    from botocore.exceptions import ClientError
+
+    from vitforge.core import StorageError, with_retries
+    from vitforge.core.store import _named
+
+    def failing(code: str, status: int):
+        calls = []
+
+        def call():
+            calls.append(1)
+            with _named("s3://b/key"):
+                raise ClientError({"Error": {"Code": code, "Message": "m"},
+                                   "ResponseMetadata": {"HTTPStatusCode": status}}, "GetObject")
+        return call, calls
+
+    call, calls = failing("SignatureDoesNotMatch", 403)
+    with pytest.raises(StorageError, match="s3://b/key: SignatureDoesNotMatch"):
+        with_retries(call, "get s3://b/key", base_delay=0.001)
+    assert len(calls) == 1
+    call, calls = failing("SlowDown", 503)
+    with pytest.raises(StorageError, match="failed after 3 attempts"):
+        with_retries(call, "get s3://b/key", attempts=3, base_delay=0.001)
+    assert len(calls) == 3
