@@ -218,7 +218,7 @@ def test_export_loads_in_timm_and_eval_needs_no_training_data(data, straight, tm
     from vitforge.trainer import build_model
 
     out = tmp_path / "model.safetensors"
-    exported = json.loads(vitforge("ckpt", "export", straight, "--out", out).stdout)
+    exported = json.loads(vitforge("ckpt", "export", straight, "--out", out).stdout.strip().splitlines()[-1])
     description = json.loads((tmp_path / "model.json").read_text())
     assert description["model"] == "vit_tiny_cpu" and description["num_classes"] == 10
     assert description["classes"][3] == "class_03" and description["image_size"] == 32 == exported["image_size"]
@@ -248,13 +248,15 @@ def test_export_loads_in_timm_and_eval_needs_no_training_data(data, straight, tm
 
 
 def test_non_finite_loss_stops_before_any_checkpoint_of_it(data):
-    result = train(data, "nan", "optimizer.lr=1e30", "optimizer.warmup_steps=0", "optimizer.grad_clip=0",
-                   "train.steps=20", "train.checkpoint_every=1", "data.val=null", check=False)
-    assert "diverged: step" in result.stderr and "not finite" in result.stderr
-    bad_step = int(result.stderr.split("diverged: step ")[1].split(":")[0])
+    ranks = start_ranks(data, "nan", "optimizer.lr=1e30", "optimizer.warmup_steps=0", "optimizer.grad_clip=0",
+                        "train.steps=20", "train.checkpoint_every=1", "data.val=null")
+    outputs = [r.communicate(timeout=240)[1] for r in ranks]
+    assert [r.returncode for r in ranks] == [errors.DIVERGED, errors.DIVERGED], outputs
+    assert "vitforge: diverged: step" in outputs[0] and "not finite" in outputs[0]
+    bad_step = int(outputs[0].split("diverged: step ")[1].split(":")[0])
     saved = [int(p.name.split("_")[1]) for p in (data / "runs" / "nan").glob("step_*")]
     assert saved and max(saved) < bad_step
-    assert "Traceback" not in result.stderr
+    assert "Traceback" not in outputs[0] + outputs[1]
 
 
 @pytest.mark.parametrize("override, message, code", [

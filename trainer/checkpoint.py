@@ -117,7 +117,11 @@ class Checkpointer:
         self.staging = os.path.join(base, "vitforge-ckpt", re.sub(r"[^A-Za-z0-9_.-]", "_", self.run.url))
         self.keep_last, self.keep_every = keep_last, keep_every
         self.upload_timeout = upload_timeout_minutes * 60
-        self.metrics_path = metrics_path
+        # The metrics travel with the checkpoints, unless they are written in the run folder already.
+        in_run = self.run.store.local_path(METRICS)
+        same = in_run is not None and metrics_path is not None and \
+            os.path.realpath(in_run) == os.path.realpath(metrics_path)
+        self.metrics_path = None if same else metrics_path
         self.uploader = Uploader()
         self.lease = Lease(self.run, lease_minutes) if self.rank == 0 else None
         self.last_stall: dict = {}
