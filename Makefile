@@ -32,6 +32,7 @@ bench: setup
 	$(PY) benchmarks/shard_bench.py
 	$(PY) benchmarks/loader_bench.py
 	$(PY) benchmarks/train_bench.py
+	$(PY) benchmarks/ckpt_bench.py
 
 # Small wheels (and DeepSpeed's sdist) benchmarks/gpu_check.sh installs on the GPU machine, which has no network.
 gpu-wheels:

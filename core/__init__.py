@@ -8,6 +8,7 @@ from .errors import (CheckpointError, DivergedError, PreconditionFailed, Storage
 from .files import PARTIAL_MARK, atomic_path, atomic_write, sha256_file  # noqa: E402
 from .logs import process_rank, setup_logging  # noqa: E402
 from .net import free_port  # noqa: E402
+from .process import die_with_parent  # noqa: E402
 from .progress import Progress  # noqa: E402
 from .retry import TransientError, with_retries  # noqa: E402
 from .store import LocalStore, S3Store, is_remote, open_store, process_alive  # noqa: E402
@@ -15,6 +16,6 @@ from .store import LocalStore, S3Store, is_remote, open_store, process_alive  # 
 __all__ = [
     "CheckpointError", "DivergedError", "LocalStore", "PARTIAL_MARK", "PreconditionFailed", "Progress", "S3Store",
     "StorageError", "TransientError", "UsageError", "VitforgeError", "__version__", "atomic_path", "atomic_write",
-    "free_port", "is_remote", "open_store", "process_alive", "process_rank", "setup_logging", "sha256_file",
-    "with_retries",
+    "die_with_parent", "free_port", "is_remote", "open_store", "process_alive", "process_rank", "setup_logging",
+    "sha256_file", "with_retries",
 ]

@@ -7,7 +7,7 @@ the state is a position that resumes exactly, at any world size.
 from .index import DatasetError, DatasetIndex, load_index
 from .loader import Loader, build_loader, choose_backend
 from .reader import IGNORE_LABEL
-from .spec import BACKENDS, LoaderSpec
+from .spec import BACKENDS, IMAGENET_MEAN, IMAGENET_STD, LoaderSpec
 
-__all__ = ["BACKENDS", "DatasetError", "DatasetIndex", "IGNORE_LABEL", "Loader", "LoaderSpec", "build_loader",
-           "choose_backend", "load_index"]
+__all__ = ["BACKENDS", "DatasetError", "DatasetIndex", "IGNORE_LABEL", "IMAGENET_MEAN", "IMAGENET_STD", "Loader",
+           "LoaderSpec", "build_loader", "choose_backend", "load_index"]

@@ -7,30 +7,20 @@ Results come back in input order, which is what makes the output independent of 
 
 from __future__ import annotations
 
-import ctypes
 import multiprocessing
 import os
-import signal
-import sys
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Callable, Iterable, Iterator, TypeVar
 
-PR_SET_PDEATHSIG = 1
+from vitforge.core.process import die_with_parent
+
 T = TypeVar("T")
 R = TypeVar("R")
 
 
 def _run_chunk(fn, chunk):
     return [fn(item) for item in chunk]
-
-
-def _die_with_parent(parent: int) -> None:
-    """Worker initializer: a parent killed with -9 must not leave its workers running forever."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:  # the parent died before prctl took effect
-        os._exit(1)
 
 
 def ordered_map(fn: Callable[[T], R], items: Iterable[T], workers: int, chunk_size: int = 8,
@@ -45,7 +35,7 @@ def ordered_map(fn: Callable[[T], R], items: Iterable[T], workers: int, chunk_si
         # fork starts workers without re-importing anything (spawn costs ~0.3 s of CPU per worker);
         # fsspec resets its event loop in forked children, and no other threads run at this point.
         executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
-                                       initializer=_die_with_parent, initargs=(os.getpid(),))
+                                       initializer=die_with_parent, initargs=(os.getpid(),))
     with executor as pool:
         pending: deque = deque()
         chunk: list = []

