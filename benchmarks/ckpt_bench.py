@@ -34,8 +34,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="vit_small_patch16_224")
     p.add_argument("--image-size", type=int, default=64)
-    p.add_argument("--saves", type=int, default=3)
-    p.add_argument("--every", type=int, default=40, help="steps between checkpoints")
+    p.add_argument("--saves", type=int, default=5)
+    p.add_argument("--every", type=int, default=10, help="steps between checkpoints")
     args = p.parse_args()
     work = tempfile.mkdtemp(prefix="vitforge-ckpt-bench-")
     from vitforge.local_s3 import start_local_s3
@@ -85,35 +85,43 @@ def run(args, work: str, server) -> int:
     for _ in range(5):
         step()
     plain_steps = [step() for _ in range(20)]
-    results = {"floor": [], "async": [], "sync": [], "upload_s": [], "busy_steps": []}
-    # Floor: DeepSpeed writing the same checkpoint to a local folder, nothing else.
-    for n in range(args.saves):
+    results = {"floor": [], "async": [], "sync": [], "upload_s": [], "busy_steps": [], "async_write": [],
+               "sync_write": []}
+    checkpointers = {mode: Checkpointer(f"s3://bench/{mode}", os.path.join(work, f"staging-{mode}"), keep_last=2,
+                                        keep_every=None, lease_minutes=10, upload_timeout_minutes=30,
+                                        metrics_path=None) for mode in ("async", "sync")}
+    for checkpointer in checkpointers.values():
+        checkpointer.claim()
+    engine.save_checkpoint(os.path.join(work, "first"), tag="first", save_latest=False)  # one-time set-up cost
+    # Rounds interleave the three ways, each starting from a flushed page cache (os.sync outside
+    # the timing): the S3 server writes to the same disk, and its dirty pages would otherwise slow
+    # whichever local write came next.
+    for n in range(1, args.saves + 1):
         folder = os.path.join(work, "floor")
         shutil.rmtree(folder, ignore_errors=True)
+        os.sync()
         start = time.perf_counter()
         engine.save_checkpoint(folder, tag=tag_for(n), save_latest=False)
         results["floor"].append(time.perf_counter() - start)
-    for mode in ("async", "sync"):
-        checkpointer = Checkpointer(f"s3://bench/{mode}", os.path.join(work, "staging"), keep_last=2,
-                                    keep_every=None, lease_minutes=10, upload_timeout_minutes=30, metrics_path=None)
-        checkpointer.claim()
-        for n in range(1, args.saves + 1):
+        for mode, checkpointer in checkpointers.items():
+            os.sync()
             start = time.perf_counter()
             checkpointer.save(engine, n * args.every, {"loader": {}}, {}, {"config": cfg.model_dump(mode="json")})
             if mode == "sync":
                 checkpointer.wait()
             results[mode].append(time.perf_counter() - start)
-            upload_start = start
+            results[f"{mode}_write"].append(checkpointer.last_stall["deepspeed_s"])
             busy = []
             while mode == "async" and checkpointer.uploader._thread is not None and \
                     checkpointer.uploader._thread.is_alive():
                 busy.append(step())
             if mode == "async":
                 checkpointer.wait()
-                results["upload_s"].append(time.perf_counter() - upload_start)
+                results["upload_s"].append(time.perf_counter() - start)
                 results["busy_steps"] += busy
-            for _ in range(args.every - len(busy)):
+            for _ in range(max(0, args.every - len(busy))):
                 step()
+    for checkpointer in checkpointers.values():
         checkpointer.release()
     run = RunStore("s3://bench/sync")
     tag = run.complete_tags()[-1]
@@ -157,11 +165,16 @@ def run(args, work: str, server) -> int:
     print(f"vitforge sync save + upload            {median(results['sync']):7.2f} s stall")
     print(f"training step: {plain * 1000:.0f} ms alone, {busy * 1000:.0f} ms while an upload runs "
           f"({len(results['busy_steps'])} steps overlapped)")
-    up_ours = mb / (median(results["sync"]) - median(results["floor"]))
+    # The upload of a synchronous save: everything after its own local write, up to a complete
+    # checkpoint (receipt, manifest, lease renewal, `latest`, retention included).
+    up_ours = mb / median(total - write for total, write in zip(results["sync"], results["sync_write"]))
     print(f"upload   vitforge {up_ours:7.1f} MB/s  raw boto3 {mb / median(raw_up):7.1f} MB/s")
     print(f"restore  vitforge {mb / median(ours_restore):7.1f} MB/s  raw boto3 {mb / median(raw_down):7.1f} MB/s")
-    print(f"(a) async stall vs local write:   {median(results['async']) / median(results['floor']):.2f}x "
-          f"(goal <= 1.0x; sync would be {median(results['sync']) / median(results['floor']):.2f}x)")
+    ratios = [total_s / write_s for total_s, write_s in zip(results["async"], results["async_write"])]
+    print(f"(a) async stall vs its own local write: {median(ratios):.2f}x (goal <= 1.0x; vitforge adds "
+          f"{1000 * median(a - w for a, w in zip(results['async'], results['async_write'])):.0f} ms to DeepSpeed's write)")
+    print(f"    async stall vs the separate floor write: {median(results['async']) / median(results['floor']):.2f}x, "
+          f"sync: {median(results['sync']) / median(results['floor']):.2f}x (the disk is shared with the S3 server: noisy)")
     print(f"(b) upload vs raw boto3:          {up_ours / (mb / median(raw_up)):.2f}x (goal >= 0.8x)")
     print(f"    restore vs raw boto3:         {median(raw_down) / median(ours_restore):.2f}x (goal >= 0.8x)")
     return 0

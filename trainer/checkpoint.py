@@ -125,6 +125,7 @@ class Checkpointer:
         self.uploader = Uploader()
         self.lease = Lease(self.run, lease_minutes) if self.rank == 0 else None
         self.last_stall: dict = {}
+        self.known_tags: set[str] = set()  # rank 0: step folders in the store, so a save needs no listing
 
     # -- ownership ---------------------------------------------------------------------------
     def claim(self) -> None:
@@ -134,6 +135,7 @@ class Checkpointer:
             if note:
                 log.warning("%s", note)
             incomplete, aborted = self.run.clean_incomplete()
+            self.known_tags.update(self.run.step_folders())
             if incomplete or aborted:
                 log.info("removed what earlier attempts left unfinished: %s%s", ", ".join(incomplete) or "",
                          f" ({aborted} unfinished uploads aborted)" if aborted else "")
@@ -153,15 +155,18 @@ class Checkpointer:
             log.info("checkpoint at step %d waited %.1f s for the previous upload", step, waited)
         start = time.perf_counter()
         tag = tag_for(step)
-        if self.rank == 0 and tag in self.run.step_folders():
+        if self.rank == 0 and tag in self.known_tags:
             # Saving a step again (after falling back past it): the old folder goes first, manifest
             # last, so its stale receipts and files can never be mixed into the new checkpoint.
             # No rank uploads before DeepSpeed's save below ends in a barrier.
             self.run.delete_tags([tag])
+        self.known_tags.add(tag)
         folder = os.path.join(self.staging, f"rank{self.rank}")
         shutil.rmtree(folder, ignore_errors=True)
         os.makedirs(folder, exist_ok=True)
+        write_start = time.perf_counter()
         engine.save_checkpoint(folder, tag=tag, client_state={"step": step}, save_latest=False)
+        deepspeed_s = time.perf_counter() - write_start
         torch.save({**mine, "rng": rng_state()}, os.path.join(folder, tag, f"rank{self.rank}_state.pt"))
         if self.rank == 0 and shared:
             torch.save(shared, os.path.join(folder, tag, "shared_state.pt"))
@@ -169,7 +174,8 @@ class Checkpointer:
         if self.rank == 0 and self.metrics_path and os.path.exists(self.metrics_path):
             metrics = os.path.join(folder, METRICS)
             shutil.copyfile(self.metrics_path, metrics)
-        self.last_stall = {"wait_s": waited, "write_s": time.perf_counter() - start}
+        # write_s: the whole stall of this save; deepspeed_s: DeepSpeed's local write within it.
+        self.last_stall = {"wait_s": waited, "write_s": time.perf_counter() - start, "deepspeed_s": deepspeed_s}
         manifest = {"step": step, "world_size": self.world_size, **manifest_extra}
         self.uploader.start(lambda: self._upload(folder, tag, manifest, metrics))
 
@@ -183,9 +189,10 @@ class Checkpointer:
 
         def one(name: str) -> tuple[str, dict]:
             path = os.path.join(root, name)
-            record = {"bytes": os.path.getsize(path), "sha256": sha256_file(path)}
-            self.run.upload(path, f"{tag}/{name}")
-            return name, record
+            with ThreadPoolExecutor(1) as hasher:  # hashing overlaps the upload: two reads of the page cache
+                digest = hasher.submit(sha256_file, path)
+                self.run.upload(path, f"{tag}/{name}")
+                return name, {"bytes": os.path.getsize(path), "sha256": digest.result()}
 
         with ThreadPoolExecutor(4) as pool:
             files = dict(pool.map(one, names))

@@ -127,16 +127,18 @@ class RunStore:
             if local_root is None:
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 try:
-                    self.store.download(f"{tag}/{name}", path)
+                    digest = self.store.download(f"{tag}/{name}", path)  # hashed as it arrives
                 except FileNotFoundError:
                     raise CheckpointError(f"{self.object_url(f'{tag}/{name}')}: missing") from None
             elif not os.path.exists(path):
                 raise CheckpointError(f"{self.object_url(f'{tag}/{name}')}: missing")
+            else:
+                digest = None
             size = os.path.getsize(path)
             if size != files[name]["bytes"]:
                 raise CheckpointError(f"{self.object_url(f'{tag}/{name}')}: {size} bytes, the manifest says "
                                       f"{files[name]['bytes']}")
-            if sha256_file(path) != files[name]["sha256"]:
+            if (digest or sha256_file(path)) != files[name]["sha256"]:
                 raise CheckpointError(f"{self.object_url(f'{tag}/{name}')}: sha256 differs from the manifest "
                                       "(corrupt)")
 
