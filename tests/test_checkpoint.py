@@ -308,3 +308,20 @@ def test_denials_are_not_retried_and_throttling_is():
     with pytest.raises(StorageError, match="failed after 3 attempts"):
         with_retries(call, "get s3://b/key", attempts=3, base_delay=0.001)
     assert len(calls) == 3
+
+
+def test_resume_from_s3_at_another_world_size(data, s3_server, bucket, monkeypatch, tmp_path):
+    """Saved by 2 ranks to s3://, resumed by 1: every file is fetched and checked, converted with
+    ds_to_universal in staging (never in the store), and training continues to the same end."""
+    store, logs = f"s3://{bucket}/runs", tmp_path / "logs"
+    common = [*COMMON, f"checkpoint.log_dir={logs}"]
+    train(data, "s3ws", *common, "train.stop_at=12", store=store, env=s3_server["env"])
+    moved = train(data, "s3ws", *common, store=store, env=s3_server["env"], nproc=1)
+    assert "to a universal checkpoint" in moved.stderr and "at step 12" in moved.stderr
+    assert sorted(losses(logs)) == list(range(1, 25))
+    keys = {o["Key"] for o in s3_server["client"].list_objects_v2(Bucket=bucket, Prefix="runs/s3ws/")["Contents"]}
+    assert not [k for k in keys if "universal" in k]
+    for key, value in s3_server["env"].items():
+        monkeypatch.setenv(key, value)
+    assert json.loads(s3_server["client"].get_object(Bucket=bucket, Key="runs/s3ws/step_00000024/manifest.json")
+                      ["Body"].read())["world_size"] == 1
