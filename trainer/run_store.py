@@ -111,7 +111,7 @@ class RunStore:
         return [tag]
 
     # -- checking and fetching ---------------------------------------------------------------
-    def fetch(self, tag: str, names: list[str], manifest: dict, folder: str, threads: int = 8) -> str:
+    def fetch(self, tag: str, names: list[str], manifest: dict, folder: str, threads: int = 2) -> str:
         """Make `names` of checkpoint `tag` available on local disk with their sha256 checked before
         anything reads them. Local stores are hashed in place; remote ones are downloaded in
         parallel into `folder`/tag. Returns the folder that holds `tag/...`. A missing file or a
