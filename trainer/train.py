@@ -138,6 +138,7 @@ class Trainer:
         self.stop = stop
         self.window = Window(torch.zeros((), device=device))
         self.step_loss = torch.zeros((), device=device)  # summed over the step's micro-batches
+        self.flags = torch.zeros(3, device=device)  # what ranks agree on after each step
         self.last: dict = {}
 
     # -- state -------------------------------------------------------------------------------
@@ -214,16 +215,18 @@ class Trainer:
         """One small all-reduce per step: does any rank want to stop (signal, time budget), is the
         loss or gradient norm non-finite anywhere, is a timed checkpoint due (rank 0's clock)."""
         reason = self.stop.reason()
-        grad_norm = self.engine.get_global_grad_norm()
-        finite = torch.isfinite(self.step_loss)
-        self.step_loss = torch.zeros((), device=self.device)
-        if grad_norm is not None:
-            finite = finite & torch.isfinite(torch.as_tensor(grad_norm, dtype=torch.float32, device=self.device))
         minutes = self.cfg.train.checkpoint_every_minutes
         timed = bool(minutes) and self.env.rank == 0 and \
             time.monotonic() - self.state.last_checkpoint >= minutes * 60
-        flags = torch.stack([torch.tensor(float(reason is not None), device=self.device),
-                             (~finite).float().to(self.device), torch.tensor(float(timed), device=self.device)])
+        flags = self.flags
+        flags[0], flags[2] = float(reason is not None), float(timed)
+        # Non-finite shows in the sum: the loss, plus the gradient norm where DeepSpeed computes it.
+        check = self.step_loss
+        grad_norm = self.engine.get_global_grad_norm()
+        if grad_norm is not None:
+            check = check + torch.as_tensor(grad_norm, dtype=torch.float32, device=self.device)
+        flags[1] = (~torch.isfinite(check)).float()
+        self.step_loss = torch.zeros((), device=self.device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         stop, nonfinite, timed = (bool(v) for v in flags.tolist())
         if stop and reason is None:
