@@ -61,10 +61,6 @@ class RunStore:
         self.url = self.url.rstrip("/")
         self.store = open_store(self.url, work_dir=".tmp")
 
-    @property
-    def is_local(self) -> bool:
-        return self.store.local_path("") is not None
-
     def object_url(self, name: str) -> str:
         return self.store.url(name)
 
