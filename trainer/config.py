@@ -162,7 +162,8 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
         problems = []
         for error in e.errors():
             key = ".".join(str(p) for p in error["loc"]) or "(top level)"
-            message = "unknown key" if error["type"] == "extra_forbidden" else error["msg"].removeprefix("Value error, ")
+            message = "unknown key" if error["type"] == "extra_forbidden" else \
+                error["msg"].removeprefix("Value error, ")
             problems.append(f"{key}: {message}" + (f" (got {error['input']!r})" if error["type"] != "extra_forbidden"
                                                    and not isinstance(error["input"], dict) else ""))
         raise ConfigError(f"{path}: " + "; ".join(problems)) from None

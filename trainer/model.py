@@ -20,6 +20,9 @@ TINY_MODELS = {
     "vit_tiny_cpu": dict(patch_size=8, embed_dim=64, depth=2, num_heads=2, mlp_ratio=2.0),
     "vit_small_cpu": dict(patch_size=8, embed_dim=128, depth=4, num_heads=4, mlp_ratio=4.0),
 }
+# Dense bf16 peak FLOP/s per device (NVIDIA data sheets, SXM parts; Google's TPU v3: 123 TFLOP/s
+# per chip of 2 cores). MFU = model FLOPs/s / peak.
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "TPUv3-core": 61.5e12}
 # The ViT paper's Table 1: parameter counts the timm configurations must match.
 PAPER_PARAMETERS = {"vit_base_patch16_224": 86e6, "vit_large_patch16_224": 307e6, "vit_huge_patch14_224": 632e6}
 

@@ -30,14 +30,12 @@ from .distributed import agree, all_ok, detect_env, init_distributed, shutdown
 from .engine import build_engine, learning_rate
 from .export import consolidate, load_exact
 from .metrics import MetricsLog
-from .model import adapt_state_dict, build_model, check_model_name, forward_flops
+from .model import PEAK_FLOPS, adapt_state_dict, build_model, check_model_name, forward_flops
 from .objective import OBJECTIVES, Objective
 from .preemption import StopRequest
 from .run_store import METRICS, tag_for
 
 log = logging.getLogger("vitforge.train")
-# Dense bf16 peak FLOP/s per device (NVIDIA data sheets, SXM parts); MFU = model FLOPs/s / peak.
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12}
 
 
 class Requeue(VitforgeError):

@@ -23,6 +23,7 @@ commands:
   train          train a ViT with DeepSpeed ZeRO from a YAML recipe (--set key=value overrides)
   eval           evaluate a checkpoint (local or s3://) on held-out shards
   ckpt           list, verify or export a run's checkpoints (ckpt list | verify | export)
+  plan           capacity planner: throughput, time, GPU-hours, decode cores, store traffic, checkpoint interval
   demo           generate a small learnable corpus, shard it, train on it, evaluate
 
 exit codes: 0 ok, 1 a verification found problems, 2 bad usage/config/input, 3 storage unreachable
@@ -50,6 +51,10 @@ def _dispatch(command: str, rest: list[str]) -> int:
         from vitforge.trainer.ckpt_cli import main as ckpt_main
 
         return ckpt_main(rest)
+    if command == "plan":
+        from vitforge.cluster.cli import main as plan_main
+
+        return plan_main(rest)
     if command == "demo":
         from .demo import main as demo_main
 
