@@ -11,6 +11,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import torch
 
 from faulty_proxy import FaultSchedule, start_proxy
 from vitforge.core import free_port
@@ -152,3 +153,36 @@ def faulty(s3_server):
            "AWS_SECRET_ACCESS_KEY": SECRET}
     yield env, schedule
     server.shutdown()
+
+
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory):
+    """A real SLURM controller and node on localhost, for this test session."""
+    from slurm_cluster import start_slurm, stop_slurm
+
+    try:
+        env = start_slurm(tmp_path_factory.mktemp("slurm"))
+    except RuntimeError as e:
+        pytest.fail(str(e))
+    yield env
+    stop_slurm(env)
+
+
+def losses(folder) -> dict[int, float]:
+    lines = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    steps = [m["step"] for m in lines if "loss" in m]
+    assert len(steps) == len(set(steps)), f"duplicated steps in metrics.jsonl: {steps}"
+    return {m["step"]: m["loss"] for m in lines if "loss" in m}
+
+
+def weights(url: str) -> dict:
+    import tempfile
+
+    from vitforge.trainer.export import consolidate
+
+    with tempfile.TemporaryDirectory() as scratch:
+        return consolidate(url, scratch, prefer_ema=False).state
+
+
+def assert_same_weights(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -17,31 +17,12 @@ import time
 import pytest
 import torch
 
-from conftest import EXTENSIONS, REPO, SECRET, start_ranks, train, train_args, vitforge
+from conftest import (EXTENSIONS, REPO, SECRET, assert_same_weights, losses, start_ranks, train, train_args,
+                      vitforge, weights)
 from vitforge.core import errors
 
 COMMON = ["train.steps=24", "train.log_every=1", "train.checkpoint_every=6", "data.val=null",
           "checkpoint.keep_last=10"]
-
-
-def losses(folder) -> dict[int, float]:
-    lines = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    steps = [m["step"] for m in lines if "loss" in m]
-    assert len(steps) == len(set(steps)), f"duplicated steps in metrics.jsonl: {steps}"
-    return {m["step"]: m["loss"] for m in lines if "loss" in m}
-
-
-def weights(url: str) -> dict:
-    import tempfile
-
-    from vitforge.trainer.export import consolidate
-
-    with tempfile.TemporaryDirectory() as scratch:
-        return consolidate(url, scratch, prefer_ema=False).state
-
-
-def assert_same_weights(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.fixture(scope="module")

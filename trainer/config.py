@@ -9,10 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from vitforge.core import UsageError
+from vitforge.core.settings import load_validated
 
 RECIPES = Path(__file__).resolve().parent / "recipes"
 
@@ -141,38 +141,4 @@ class Config(Strict):
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
     """Read a YAML recipe (a path, or the name of a shipped recipe) and apply `a.b=c` overrides."""
-    path = Path(path)
-    if not path.exists() and (RECIPES / f"{path}.yaml").exists():
-        path = RECIPES / f"{path}.yaml"
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except FileNotFoundError:
-        shipped = ", ".join(sorted(p.stem for p in RECIPES.glob("*.yaml")))
-        raise ConfigError(f"{path}: no such config file (shipped recipes: {shipped})") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. train.steps=100")
-        _assign(raw, key.split("."), yaml.safe_load(value))
-    try:
-        return Config.model_validate(raw)
-    except ValidationError as e:
-        problems = []
-        for error in e.errors():
-            key = ".".join(str(p) for p in error["loc"]) or "(top level)"
-            message = "unknown key" if error["type"] == "extra_forbidden" else \
-                error["msg"].removeprefix("Value error, ")
-            problems.append(f"{key}: {message}" + (f" (got {error['input']!r})" if error["type"] != "extra_forbidden"
-                                                   and not isinstance(error["input"], dict) else ""))
-        raise ConfigError(f"{path}: " + "; ".join(problems)) from None
-
-
-def _assign(tree: dict, keys: list[str], value) -> None:
-    for key in keys[:-1]:
-        node = tree.setdefault(key, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"--set {'.'.join(keys)}: {key} is not a section")
-        tree = node
-    tree[keys[-1]] = value
+    return load_validated(path, list(overrides), Config, RECIPES, "config", ConfigError)

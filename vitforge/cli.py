@@ -7,6 +7,7 @@ traceback; only a bug prints a traceback (code 70).
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 
@@ -23,6 +24,8 @@ commands:
   train          train a ViT with DeepSpeed ZeRO from a YAML recipe (--set key=value overrides)
   eval           evaluate a checkpoint (local or s3://) on held-out shards
   ckpt           list, verify or export a run's checkpoints (ckpt list | verify | export)
+  submit         render a launch spec to an sbatch script and submit it (--dry-run prints it)
+  status | logs | cancel JOB   a submitted job's state, its log (-f follows), cancel or signal it
   plan           capacity planner: throughput, time, GPU-hours, decode cores, store traffic, checkpoint interval
   demo           generate a small learnable corpus, shard it, train on it, evaluate
 
@@ -51,6 +54,10 @@ def _dispatch(command: str, rest: list[str]) -> int:
         from vitforge.trainer.ckpt_cli import main as ckpt_main
 
         return ckpt_main(rest)
+    if command in ("submit", "status", "logs", "cancel"):
+        from vitforge.cluster import submit_cli
+
+        return getattr(submit_cli, f"{command}_main")(rest)
     if command == "plan":
         from vitforge.cluster.cli import main as plan_main
 
@@ -64,7 +71,17 @@ def _dispatch(command: str, rest: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    code = _main(sys.argv[1:] if argv is None else argv)
+    # A job of many tasks is reported by srun as a whole (with --kill-on-bad-exit, a rank still
+    # shutting down is killed and srun says 143): rank 0's own verdict goes to this file.
+    verdict = os.environ.get("VITFORGE_EXIT_FILE")
+    if verdict and process_rank() == 0:
+        with open(verdict, "w") as f:
+            f.write(f"{code}\n")
+    return code
+
+
+def _main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         return errors.OK

@@ -1,0 +1,96 @@
+"""The sbatch script of a launch spec: readable, commented, and free of credentials.
+
+One task per GPU via srun; the rendezvous is the allocation's first node and a port derived
+from the job id; SLURM sends SIGUSR1 `signal_lead_s` before the time limit to every task (the
+trainer saves and exits 75); the script then requeues the job itself, up to `max_requeues`
+times, and the restarted job resumes from the newest complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import shlex
+
+from vitforge.trainer import Requeue
+
+from .spec import LaunchSpec
+
+REQUEUE_EXIT = Requeue.exit_code
+# NCCL settings per fabric; users add or override any in `env`.
+NCCL_PRESETS = {
+    "none": {},
+    "infiniband": {"NCCL_IB_DISABLE": "0", "NCCL_NET_GDR_LEVEL": "PHB", "NCCL_SOCKET_IFNAME": "^lo,docker"},
+    "efa": {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "NCCL_PROTO": "simple",
+            "NCCL_SOCKET_IFNAME": "^lo,docker"},
+    "roce": {"NCCL_IB_DISABLE": "0", "NCCL_IB_GID_INDEX": "3", "NCCL_SOCKET_IFNAME": "^lo,docker"},
+}
+
+
+def trainer_command(spec: LaunchSpec) -> list[str]:
+    args = ["vitforge", "train", spec.train.config]
+    overrides = list(spec.train.overrides)
+    if spec.train.dataset:
+        overrides.append(f"data.train={spec.train.dataset}")
+    if spec.train.checkpoint_dir:
+        overrides.append(f"checkpoint.dir={spec.train.checkpoint_dir}")
+    for item in overrides:
+        args += ["--set", item]
+    return args
+
+
+def render(spec: LaunchSpec) -> str:
+    log = f"{spec.log_dir}/%x-%j.out"
+    directives = [
+        f"--job-name={spec.name}", f"--nodes={spec.nodes}", f"--ntasks-per-node={spec.ntasks_per_node}",
+        f"--cpus-per-task={spec.cpus_per_task}", f"--time={spec.time}",
+        *([f"--gpus-per-node={spec.gpus_per_node}"] if spec.gpus_per_node else []),
+        *([f"--mem={spec.mem_per_node}"] if spec.mem_per_node else []),
+        *([f"--partition={spec.partition}"] if spec.partition else []),
+        *([f"--account={spec.account}"] if spec.account else []),
+        *([f"--qos={spec.qos}"] if spec.qos else []),
+        *([f"--constraint={spec.constraint}"] if spec.constraint else []),
+        *(["--exclusive"] if spec.exclusive else []),
+        "--requeue", f"--signal=USR1@{spec.signal_lead_s}", "--open-mode=append", f"--output={log}",
+    ]
+    srun = ["srun", "--kill-on-bad-exit=1", f"--ntasks-per-node={spec.ntasks_per_node}"]
+    if spec.container:
+        srun.append(f"--container-image={spec.container.image}")
+        if spec.container.mounts:
+            srun.append(f"--container-mounts={','.join(spec.container.mounts)}")
+    env = {**NCCL_PRESETS[spec.nccl], **spec.env}
+    lines = [
+        "#!/bin/bash",
+        f"# vitforge launch spec {spec.name!r}: {spec.nodes} node(s) x {spec.ntasks_per_node} task(s), rendered by "
+        "`vitforge submit`.",
+        "# Credentials are not in this file: the job inherits the submitting environment (sbatch --export=ALL).",
+        *(f"#SBATCH {d}" for d in directives),
+        "",
+        "set -uo pipefail",
+        "# Rendezvous: the allocation's first node; a port derived from the job id (stable across requeues).",
+        'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
+        "export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))",
+        *(f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())),
+        *([f"source {shlex.quote(spec.venv)}/bin/activate"] if spec.venv else []),
+        'echo "vitforge: job $SLURM_JOB_ID start $(date -Is) restart ${SLURM_RESTART_COUNT:-0} on $SLURM_JOB_NODELIST"',
+        "",
+        "# One task per GPU; SLURM maps SLURM_PROCID/NTASKS/LOCALID to the trainer's ranks. Rank 0 writes",
+        "# its exit code to VITFORGE_EXIT_FILE: srun reports a killed straggler's code, not the trainer's.",
+        f'export VITFORGE_EXIT_FILE="{spec.log_dir}/.exit-$SLURM_JOB_ID"',
+        'rm -f "$VITFORGE_EXIT_FILE"',
+        f"{shlex.join(srun)} \\\n    {shlex.join(trainer_command(spec))}",
+        "code=$?",
+        '[ -s "$VITFORGE_EXIT_FILE" ] && code=$(cat "$VITFORGE_EXIT_FILE") && rm -f "$VITFORGE_EXIT_FILE"',
+        "",
+        f"# {REQUEUE_EXIT}: the trainer stopped on SIGUSR1/SIGTERM or its time budget after a complete",
+        "# checkpoint. Requeue (the restarted job resumes it), at most max_requeues times.",
+        f"if [ $code -eq {REQUEUE_EXIT} ]; then",
+        f"    if [ \"${{SLURM_RESTART_COUNT:-0}}\" -lt {spec.max_requeues} ]; then",
+        '        echo "vitforge: requeueing job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0})"',
+        '        scontrol requeue "$SLURM_JOB_ID"',
+        "        exit 0",
+        "    fi",
+        f'    echo "vitforge: requeue limit {spec.max_requeues} reached; the run is resumable by hand"',
+        "fi",
+        'echo "vitforge: job $SLURM_JOB_ID ended $(date -Is) with exit code $code"',
+        "exit $code",
+    ]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,45 @@
+"""Talking to SLURM through its own commands (sbatch, scontrol, scancel): nothing is mocked, and
+every failure names the command and what it said."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+
+from vitforge.core import UsageError, VitforgeError
+
+
+class SlurmError(VitforgeError):
+    exit_code = 3
+    kind = "slurm error"
+
+
+def _run(command: list[str], input_text: str | None = None) -> str:
+    if shutil.which(command[0]) is None:
+        raise UsageError(f"{command[0]}: not found; run this on a SLURM login node (or install slurm-client)")
+    result = subprocess.run(command, capture_output=True, text=True, input=input_text)
+    if result.returncode != 0:
+        raise SlurmError(f"{' '.join(command[:2])}: {result.stderr.strip() or result.stdout.strip()}")
+    return result.stdout
+
+
+def submit(script_path: str) -> str:
+    """sbatch a script; return the job id."""
+    return _run(["sbatch", "--parsable", script_path]).strip().split(";")[0]
+
+
+def job_info(job: str) -> dict[str, str]:
+    """`scontrol show job` as a dict (JobState, RestartCnt, ExitCode, StdOut, ...)."""
+    text = _run(["scontrol", "show", "job", "-o", str(job)])
+    return dict(re.findall(r"(\w+(?::\w+)?)=(\S*)", text))
+
+
+def cancel(job: str, signal: str | None = None) -> None:
+    _run(["scancel", *([f"--signal={signal}"] if signal else []), str(job)])
+
+
+def log_path(job: str) -> str:
+    info = job_info(job)
+    return os.path.expandvars(info.get("StdOut", ""))

@@ -1,0 +1,107 @@
+"""Launch specs: one validated schema for a multi-node SLURM training job, YAML files in
+cluster/specs/ plus `--set a.b=c` overrides, like the trainer's config."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from vitforge.core import UsageError
+from vitforge.core.settings import load_validated
+
+SPECS = Path(__file__).resolve().parent / "specs"
+# Names that carry credentials: never written into a script; jobs get them from the environment
+# they are submitted from (sbatch exports it) or from a credentials file the cluster has.
+SECRET_NAME = re.compile(r"SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL|ACCESS_KEY|PRIVATE|SESSION", re.IGNORECASE)
+TIME = re.compile(r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$")
+
+
+class SpecError(UsageError):
+    kind = "spec error"
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class Container(Strict):
+    image: str  # pyxis/enroot --container-image
+    mounts: list[str] = []  # --container-mounts SRC:DST
+
+
+class TrainJob(Strict):
+    config: str  # a trainer recipe name or YAML path, as `vitforge train` takes it
+    overrides: list[str] = []  # --set KEY=VALUE for the trainer
+    dataset: str | None = None  # sets data.train
+    checkpoint_dir: str | None = None  # sets checkpoint.dir (s3:// for runs that survive any node)
+
+
+class LaunchSpec(Strict):
+    name: str
+    nodes: int = Field(1, ge=1)
+    gpus_per_node: int = Field(8, ge=0)
+    tasks_per_node: int | None = Field(None, ge=1)  # default: one task per GPU (1 without GPUs)
+    cpus_per_task: int = Field(8, ge=1)
+    mem_per_node: str | None = None  # e.g. "900G"; None: the partition's default
+    time: str = "04:00:00"  # D-HH:MM:SS
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None  # e.g. "h100" or a GPU type feature
+    exclusive: bool = False
+    container: Container | None = None
+    venv: str | None = None  # a virtualenv to activate on every node
+    env: dict[str, str] = {}
+    nccl: Literal["none", "infiniband", "efa", "roce"] = "none"
+    train: TrainJob
+    max_requeues: int = Field(10, ge=0)
+    signal_lead_s: int = Field(180, ge=10)  # SIGUSR1 this long before the time limit
+    log_dir: str = "slurm-logs"
+
+    @field_validator("name")
+    @classmethod
+    def _job_name(cls, value: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", value):
+            raise ValueError(f"{value!r}: letters, digits, '_', '.', '-' only")
+        return value
+
+    @field_validator("time")
+    @classmethod
+    def _slurm_time(cls, value: str) -> str:
+        if not TIME.match(value):
+            raise ValueError(f"{value!r}: expected a SLURM time such as 04:00:00 or 2-00:00:00")
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _no_secrets(cls, value: dict[str, str]) -> dict[str, str]:
+        secret = sorted(k for k in value if SECRET_NAME.search(k))
+        if secret:
+            raise ValueError(f"{', '.join(secret)}: credentials are never written into a job script; export them "
+                             "where you run `vitforge submit` (sbatch passes the environment on) or use the "
+                             "cluster's credentials file")
+        return value
+
+    @property
+    def ntasks_per_node(self) -> int:
+        return self.tasks_per_node or max(self.gpus_per_node, 1)
+
+    def time_limit_s(self) -> int:
+        """SLURM's forms: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS."""
+        days, _, clock = self.time.rpartition("-")
+        parts = [int(p) for p in clock.split(":")]
+        if days:
+            hours, minutes, seconds = (parts + [0, 0])[:3]
+        else:
+            hours, minutes, seconds = {1: [0, parts[0], 0], 2: [0, *parts], 3: parts}[len(parts)]
+        return (int(days or 0) * 24 + hours) * 3600 + minutes * 60 + seconds
+
+
+def load_spec(path: str | Path, overrides: list[str] = ()) -> LaunchSpec:
+    spec = load_validated(path, list(overrides), LaunchSpec, SPECS, "launch spec", SpecError)
+    if spec.signal_lead_s >= spec.time_limit_s():
+        raise SpecError(f"{path}: signal_lead_s {spec.signal_lead_s} is not shorter than the time limit {spec.time}")
+    return spec

@@ -1,0 +1,74 @@
+"""`vitforge submit SPEC`, `vitforge status JOB`, `vitforge logs JOB [-f]`, `vitforge cancel JOB`.
+
+  vitforge submit vit_h14_pretrain_1node --dry-run     print the sbatch script a spec renders to
+  vitforge submit my_spec.yaml --set nodes=4            write it to LOG_DIR/NAME.sbatch and sbatch it
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+from vitforge.core import setup_logging
+
+from . import slurm
+from .render import render
+from .spec import SPECS, load_spec
+
+
+def submit_main(argv: list[str]) -> int:
+    shipped = ", ".join(sorted(p.stem for p in SPECS.glob("*.yaml")))
+    p = argparse.ArgumentParser(prog="vitforge submit", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("spec", help=f"a launch spec YAML file, or a shipped one: {shipped}")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a spec value, e.g. --set nodes=4 --set train.overrides=[train.steps=100]")
+    p.add_argument("--dry-run", action="store_true", help="print the script instead of submitting it")
+    args = p.parse_args(argv)
+    setup_logging()
+    spec = load_spec(args.spec, args.overrides)
+    script = render(spec)
+    if args.dry_run:
+        print(script, end="")
+        return 0
+    os.makedirs(spec.log_dir, exist_ok=True)
+    path = os.path.join(spec.log_dir, f"{spec.name}.sbatch")
+    with open(path, "w") as f:
+        f.write(script)
+    job = slurm.submit(path)
+    print(f"submitted job {job}: script {path}, log {os.path.join(spec.log_dir, f'{spec.name}-{job}.out')}")
+    return 0
+
+
+def status_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="vitforge status", description="State of a submitted job.")
+    p.add_argument("job")
+    info = slurm.job_info(p.parse_args(argv).job)
+    print(f"job {info.get('JobId')} {info.get('JobName')}: {info.get('JobState')} (reason {info.get('Reason')}), "
+          f"restarts {info.get('Restarts', info.get('RestartCnt', '0'))}, exit code {info.get('ExitCode')}, "
+          f"log {info.get('StdOut')}")
+    return 0
+
+
+def logs_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="vitforge logs", description="Print (or follow) a job's log.")
+    p.add_argument("job")
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing as the log grows (Ctrl-C to stop)")
+    args = p.parse_args(argv)
+    path = slurm.log_path(args.job)
+    if args.follow:
+        return subprocess.call(["tail", "-n", "+1", "-F", path])
+    with open(path, errors="replace") as f:
+        sys.stdout.write(f.read())
+    return 0
+
+
+def cancel_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="vitforge cancel", description="Cancel a job (or send it a signal).")
+    p.add_argument("job")
+    p.add_argument("--signal", default=None, help="send this signal instead, e.g. USR1 to make it save and requeue")
+    args = p.parse_args(argv)
+    slurm.cancel(args.job, args.signal)
+    return 0

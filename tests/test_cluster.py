@@ -1,0 +1,114 @@
+"""Launch specs, rendered sbatch scripts, and the preemption-requeue loop on a real SLURM
+(slurmctld + slurmd on localhost, started by the `slurm` fixture)."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import EXTENSIONS, REPO, SECRET, assert_same_weights, losses, train, vitforge, weights
+from vitforge.cluster import load_spec, render
+from vitforge.cluster.spec import SPECS
+from vitforge.core import errors
+
+GOLDEN = Path(__file__).resolve().parent / "golden"
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in SPECS.glob("*.yaml")))
+def test_every_shipped_spec_renders_its_golden_script(name):
+    """Regenerate after a deliberate change: vitforge submit NAME --dry-run > tests/golden/NAME.sbatch"""
+    script = vitforge("submit", name, "--dry-run").stdout
+    assert script == (GOLDEN / f"{name}.sbatch").read_text()
+    for directive in ("--requeue", "--open-mode=append", "--signal=USR1@", "srun --kill-on-bad-exit=1"):
+        assert directive in script
+    spec = load_spec(name)
+    assert f"--ntasks-per-node={spec.ntasks_per_node}" in script and f"--nodes={spec.nodes}" in script
+
+
+def test_spec_errors_name_the_key_and_secrets_never_reach_a_script(tmp_path):
+    typo = vitforge("submit", "tiny_cpu", "--set", "nodez=2", "--dry-run", check=False)
+    assert typo.returncode == errors.USAGE and "nodez: unknown key" in typo.stderr
+    wrong = vitforge("submit", "tiny_cpu", "--set", "time=forever", "--dry-run", check=False)
+    assert wrong.returncode == errors.USAGE and "time: 'forever': expected a SLURM time" in wrong.stderr
+    lead = vitforge("submit", "tiny_cpu", "--set", "time=00:01:00", "--set", "signal_lead_s=120", "--dry-run",
+                    check=False)
+    assert lead.returncode == errors.USAGE and "signal_lead_s 120 is not shorter than the time limit" in lead.stderr
+    secret = vitforge("submit", "tiny_cpu", "--set", f"env={{AWS_SECRET_ACCESS_KEY: {SECRET}}}", "--dry-run",
+                      check=False)
+    assert secret.returncode == errors.USAGE and "credentials are never written into a job script" in secret.stderr
+    assert SECRET not in secret.stdout + secret.stderr
+    script = vitforge("submit", "vit_h14_pretrain_64nodes", "--dry-run",
+                      env={"AWS_SECRET_ACCESS_KEY": SECRET, "AWS_SESSION_TOKEN": SECRET}).stdout
+    assert SECRET not in script
+
+
+def test_time_limit_forms():
+    spec = load_spec("tiny_cpu")
+    for text, seconds in (("30", 1800), ("10:30", 630), ("04:00:00", 14400), ("2-00:00:00", 172800),
+                          ("1-12", 129600)):
+        assert spec.model_copy(update={"time": text}).time_limit_s() == seconds
+    assert "--time=00:30:00" in render(spec)
+
+
+def _submit(data, tmp_path, run: str, *spec_overrides: str, steps: int = 24) -> str:
+    overrides = ("[data.backend=torch, data.workers=0, "
+                 f"data.train={data / 'train'}, data.val=null, checkpoint.dir={data / 'runs'}, checkpoint.run={run}, "
+                 f"train.steps={steps}, train.log_every=1, train.checkpoint_every=6, checkpoint.keep_last=10]")
+    result = vitforge("submit", "tiny_cpu", "--set", f"venv={REPO / '.venv'}", "--set", f"log_dir={tmp_path}",
+                      "--set", f"name={run}", "--set", f"train.overrides={overrides}", *spec_overrides,
+                      env={**EXTENSIONS, "AWS_SECRET_ACCESS_KEY": SECRET})
+    return result.stdout.split("submitted job ")[1].split(":")[0]
+
+
+def _state(job: str) -> dict:
+    text = vitforge("status", job).stdout
+    return {"state": text.split(": ")[1].split()[0], "restarts": int(text.split("restarts ")[1].split(",")[0]),
+            "text": text}
+
+
+def _wait(job: str, states=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), timeout: float = 420) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = _state(job)
+        if state["state"] in states:
+            return state
+        time.sleep(1)
+    raise AssertionError(f"job {job} did not reach {states}: {_state(job)}")
+
+
+def test_preempted_slurm_job_requeues_itself_and_ends_like_an_uninterrupted_run(data, slurm, monkeypatch, tmp_path):
+    for key, value in slurm.items():
+        monkeypatch.setenv(key, value)
+    train(data, "slurm_straight", "train.steps=60", "train.log_every=1", "train.checkpoint_every=6",
+          "data.val=null", "checkpoint.keep_last=10")
+    job = _submit(data, tmp_path, "slurm_rq", steps=60)
+    lease = data / "runs" / "slurm_rq" / "lease.json"
+    deadline = time.monotonic() + 300
+    while not lease.exists() and time.monotonic() < deadline:  # the trainer's signal handler is in place
+        time.sleep(0.05)
+    subprocess.run(["scancel", "--signal=USR1", job], check=True)  # at once: the run is short
+    final = _wait(job, states=("COMPLETED", "FAILED", "CANCELLED"))
+    log = vitforge("logs", job).stdout
+    assert final["state"] == "COMPLETED" and final["restarts"] == 1, (final, log[-3000:])
+    assert "stopped for requeue: stopped at step" in log and "requeueing job" in log and "resumed" in log
+    assert SECRET not in log and SECRET not in (tmp_path / "slurm_rq.sbatch").read_text()
+    assert losses(data / "runs" / "slurm_rq") == losses(data / "runs" / "slurm_straight")
+    assert_same_weights(weights(str(data / "runs" / "slurm_rq")), weights(str(data / "runs" / "slurm_straight")))
+
+
+def test_the_requeue_limit_is_honoured(data, slurm, monkeypatch, tmp_path):
+    for key, value in slurm.items():
+        monkeypatch.setenv(key, value)
+    job = _submit(data, tmp_path, "slurm_limit", "--set", "max_requeues=0", steps=100000)
+    lease = data / "runs" / "slurm_limit" / "lease.json"
+    deadline = time.monotonic() + 300
+    while not lease.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    vitforge("cancel", job, "--signal", "USR1")
+    final = _wait(job)
+    log = (tmp_path / f"slurm_limit-{job}.out").read_text()
+    assert final["state"] == "FAILED" and final["restarts"] == 0, final
+    assert "requeue limit 0 reached" in log and f"job {job} ended" in log and "exit code 75" in log
