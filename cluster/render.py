@@ -37,18 +37,68 @@ def trainer_command(spec: LaunchSpec) -> list[str]:
     return args
 
 
-def render(spec: LaunchSpec) -> str:
-    log = f"{spec.log_dir}/%x-%j.out"
-    directives = [
-        f"--job-name={spec.name}", f"--nodes={spec.nodes}", f"--ntasks-per-node={spec.ntasks_per_node}",
-        f"--cpus-per-task={spec.cpus_per_task}", f"--time={spec.time}",
-        *([f"--gpus-per-node={spec.gpus_per_node}"] if spec.gpus_per_node else []),
+def _allocation(spec: LaunchSpec) -> list[str]:
+    return [
         *([f"--mem={spec.mem_per_node}"] if spec.mem_per_node else []),
         *([f"--partition={spec.partition}"] if spec.partition else []),
         *([f"--account={spec.account}"] if spec.account else []),
         *([f"--qos={spec.qos}"] if spec.qos else []),
         *([f"--constraint={spec.constraint}"] if spec.constraint else []),
         *(["--exclusive"] if spec.exclusive else []),
+    ]
+
+
+def _setup(spec: LaunchSpec) -> list[str]:
+    return [*(f"export {k}={shlex.quote(v)}" for k, v in sorted(spec.env.items())),
+            *([f"source {shlex.quote(spec.venv)}/bin/activate"] if spec.venv else [])]
+
+
+def render_shard_array(spec: LaunchSpec, parts: list[int] | None = None) -> str:
+    """One array task per part (`vitforge shard` reads its part from SLURM_ARRAY_TASK_ID); `parts`
+    resubmits only those (a failed task, alone)."""
+    shard = spec.shard
+    indices = ",".join(map(str, parts)) if parts else f"0-{shard.num_parts - 1}"
+    throttle = f"%{shard.throttle}" if shard.throttle else ""
+    command = ["vitforge", "shard", shard.src, shard.dest, "--num-parts", str(shard.num_parts),
+               "--workers", str(spec.cpus_per_task), *shard.args]
+    lines = [
+        "#!/bin/bash",
+        f"# vitforge launch spec {spec.name!r}: sharding in {shard.num_parts} parts, one array task each.",
+        "# Credentials are not in this file: the job inherits the submitting environment (sbatch --export=ALL).",
+        f"#SBATCH --job-name={spec.name}", f"#SBATCH --array={indices}{throttle}", "#SBATCH --nodes=1",
+        "#SBATCH --ntasks=1", f"#SBATCH --cpus-per-task={spec.cpus_per_task}", f"#SBATCH --time={spec.time}",
+        *(f"#SBATCH {d}" for d in _allocation(spec)),
+        "#SBATCH --requeue", "#SBATCH --open-mode=append", f"#SBATCH --output={spec.log_dir}/%x-%A_%a.out",
+        "", "set -uo pipefail", *_setup(spec),
+        "# Array task i builds part i (also when only some parts are resubmitted); a rerun resumes it.",
+        shlex.join(command) + ' --part "$SLURM_ARRAY_TASK_ID"',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def render_merge(spec: LaunchSpec) -> str:
+    """Runs after every array task succeeded (afterok): writes the final dataset.json."""
+    lines = [
+        "#!/bin/bash",
+        f"# vitforge launch spec {spec.name!r}: merge the parts' records into dataset.json.",
+        f"#SBATCH --job-name={spec.name}-merge", "#SBATCH --nodes=1", "#SBATCH --ntasks=1",
+        "#SBATCH --cpus-per-task=1", f"#SBATCH --time={spec.time}", *(f"#SBATCH {d}" for d in _allocation(spec)),
+        "#SBATCH --open-mode=append", f"#SBATCH --output={spec.log_dir}/%x-%j.out",
+        "", "set -uo pipefail", *_setup(spec),
+        shlex.join(["vitforge", "shard", "merge", spec.shard.dest]),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def render(spec: LaunchSpec) -> str:
+    if spec.shard is not None:
+        return render_shard_array(spec)
+    log = f"{spec.log_dir}/%x-%j.out"
+    directives = [
+        f"--job-name={spec.name}", f"--nodes={spec.nodes}", f"--ntasks-per-node={spec.ntasks_per_node}",
+        f"--cpus-per-task={spec.cpus_per_task}", f"--time={spec.time}",
+        *([f"--gpus-per-node={spec.gpus_per_node}"] if spec.gpus_per_node else []),
+        *_allocation(spec),
         "--requeue", f"--signal=USR1@{spec.signal_lead_s}", "--open-mode=append", f"--output={log}",
     ]
     srun = ["srun", "--kill-on-bad-exit=1", f"--ntasks-per-node={spec.ntasks_per_node}"]
@@ -68,8 +118,7 @@ def render(spec: LaunchSpec) -> str:
         "# Rendezvous: the allocation's first node; a port derived from the job id (stable across requeues).",
         'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
         "export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))",
-        *(f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())),
-        *([f"source {shlex.quote(spec.venv)}/bin/activate"] if spec.venv else []),
+        *_setup(spec.model_copy(update={"env": env})),
         'echo "vitforge: job $SLURM_JOB_ID start $(date -Is) restart ${SLURM_RESTART_COUNT:-0} on $SLURM_JOB_NODELIST"',
         "",
         "# One task per GPU; SLURM maps SLURM_PROCID/NTASKS/LOCALID to the trainer's ranks. Rank 0 writes",

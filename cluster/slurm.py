@@ -25,9 +25,11 @@ def _run(command: list[str], input_text: str | None = None) -> str:
     return result.stdout
 
 
-def submit(script_path: str) -> str:
-    """sbatch a script; return the job id."""
-    return _run(["sbatch", "--parsable", script_path]).strip().split(";")[0]
+def submit(script_path: str, after_ok: str | None = None) -> str:
+    """sbatch a script (to start only once job `after_ok` succeeded, every array task of it);
+    return the job id."""
+    dependency = [f"--dependency=afterok:{after_ok}"] if after_ok else []
+    return _run(["sbatch", "--parsable", *dependency, script_path]).strip().split(";")[0]
 
 
 def job_info(job: str) -> dict[str, str]:

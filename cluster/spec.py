@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from vitforge.core import UsageError
 from vitforge.core.settings import load_validated
@@ -39,6 +39,14 @@ class TrainJob(Strict):
     checkpoint_dir: str | None = None  # sets checkpoint.dir (s3:// for runs that survive any node)
 
 
+class ShardArray(Strict):
+    src: str  # what `vitforge shard` takes: class folders or a manifest, local or s3://
+    dest: str
+    num_parts: int = Field(ge=1)  # one array task per part
+    throttle: int | None = Field(None, ge=1)  # at most this many parts at once (--array=...%N)
+    args: list[str] = []  # more `vitforge shard` options, e.g. [--shard-bytes, 1GiB, --max-side, "512"]
+
+
 class LaunchSpec(Strict):
     name: str
     nodes: int = Field(1, ge=1)
@@ -56,7 +64,8 @@ class LaunchSpec(Strict):
     venv: str | None = None  # a virtualenv to activate on every node
     env: dict[str, str] = {}
     nccl: Literal["none", "infiniband", "efa", "roce"] = "none"
-    train: TrainJob
+    train: TrainJob | None = None  # a training job, or
+    shard: ShardArray | None = None  # a sharding job array plus a dependent merge job
     max_requeues: int = Field(10, ge=0)
     signal_lead_s: int = Field(180, ge=10)  # SIGUSR1 this long before the time limit
     log_dir: str = "slurm-logs"
@@ -84,6 +93,12 @@ class LaunchSpec(Strict):
                              "where you run `vitforge submit` (sbatch passes the environment on) or use the "
                              "cluster's credentials file")
         return value
+
+    @model_validator(mode="after")
+    def _one_job(self):
+        if (self.train is None) == (self.shard is None):
+            raise ValueError("give exactly one of train: or shard:")
+        return self
 
     @property
     def ntasks_per_node(self) -> int:

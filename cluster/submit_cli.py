@@ -14,8 +14,8 @@ import sys
 from vitforge.core import setup_logging
 
 from . import slurm
-from .render import render
-from .spec import SPECS, load_spec
+from .render import render, render_merge, render_shard_array
+from .spec import SPECS, SpecError, load_spec
 
 
 def submit_main(argv: list[str]) -> int:
@@ -26,20 +26,42 @@ def submit_main(argv: list[str]) -> int:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a spec value, e.g. --set nodes=4 --set train.overrides=[train.steps=100]")
     p.add_argument("--dry-run", action="store_true", help="print the script instead of submitting it")
+    p.add_argument("--parts", default=None, metavar="I,J,...",
+                   help="sharding specs: submit only these array tasks (e.g. the ones that failed), then the merge")
     args = p.parse_args(argv)
     setup_logging()
     spec = load_spec(args.spec, args.overrides)
-    script = render(spec)
+    parts = _parts(args.parts, spec) if args.parts else None
+    scripts = {f"{spec.name}.sbatch": render_shard_array(spec, parts) if spec.shard else render(spec)}
+    if spec.shard:
+        scripts[f"{spec.name}-merge.sbatch"] = render_merge(spec)
     if args.dry_run:
-        print(script, end="")
+        print("\n".join(scripts.values()), end="")
         return 0
     os.makedirs(spec.log_dir, exist_ok=True)
-    path = os.path.join(spec.log_dir, f"{spec.name}.sbatch")
-    with open(path, "w") as f:
-        f.write(script)
-    job = slurm.submit(path)
-    print(f"submitted job {job}: script {path}, log {os.path.join(spec.log_dir, f'{spec.name}-{job}.out')}")
+    jobs = []
+    for name, script in scripts.items():
+        path = os.path.join(spec.log_dir, name)
+        with open(path, "w") as f:
+            f.write(script)
+        jobs.append(slurm.submit(path, after_ok=jobs[0] if jobs else None))
+        kind = "merge job" if jobs[1:] else ("job array" if spec.shard else "job")
+        log = f"{spec.name}-merge-{jobs[-1]}.out" if jobs[1:] else \
+            (f"{spec.name}-{jobs[-1]}_<task>.out" if spec.shard else f"{spec.name}-{jobs[-1]}.out")
+        print(f"submitted {kind} {jobs[-1]}: script {path}, log {os.path.join(spec.log_dir, log)}")
     return 0
+
+
+def _parts(text: str, spec) -> list[int]:
+    if spec.shard is None:
+        raise SpecError("--parts applies to sharding specs only")
+    try:
+        parts = sorted({int(p) for p in text.split(",")})
+    except ValueError:
+        raise SpecError(f"--parts {text!r}: expected part numbers such as 7,12") from None
+    if parts[0] < 0 or parts[-1] >= spec.shard.num_parts:
+        raise SpecError(f"--parts {text}: parts are 0..{spec.shard.num_parts - 1}")
+    return parts
 
 
 def status_main(argv: list[str]) -> int:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -22,9 +23,12 @@ def test_every_shipped_spec_renders_its_golden_script(name):
     """Regenerate after a deliberate change: vitforge submit NAME --dry-run > tests/golden/NAME.sbatch"""
     script = vitforge("submit", name, "--dry-run").stdout
     assert script == (GOLDEN / f"{name}.sbatch").read_text()
+    spec = load_spec(name)
+    if spec.shard:
+        assert f"--array=0-{spec.shard.num_parts - 1}" in script and "vitforge shard merge" in script
+        return
     for directive in ("--requeue", "--open-mode=append", "--signal=USR1@", "srun --kill-on-bad-exit=1"):
         assert directive in script
-    spec = load_spec(name)
     assert f"--ntasks-per-node={spec.ntasks_per_node}" in script and f"--nodes={spec.nodes}" in script
 
 
@@ -112,3 +116,40 @@ def test_the_requeue_limit_is_honoured(data, slurm, monkeypatch, tmp_path):
     log = (tmp_path / f"slurm_limit-{job}.out").read_text()
     assert final["state"] == "FAILED" and final["restarts"] == 0, final
     assert "requeue limit 0 reached" in log and f"job {job} ended" in log and "exit code 75" in log
+
+
+def test_a_sharding_array_and_its_merge_equal_one_run(small_corpus, slurm, monkeypatch, tmp_path):
+    from conftest import tree_bytes
+
+    for key, value in slurm.items():
+        monkeypatch.setenv(key, value)
+    single = tmp_path / "single"
+    vitforge("shard", small_corpus, single, "--shard-samples", "16", "--workers", "1")
+    spec = tmp_path / "array.yaml"
+    spec.write_text(f"""name: array-test
+nodes: 1
+gpus_per_node: 0
+cpus_per_task: 1
+time: "00:20:00"
+venv: {REPO / '.venv'}
+log_dir: {tmp_path / 'logs'}
+shard:
+  src: {small_corpus}
+  dest: {tmp_path / 'parts'}
+  num_parts: 3
+  throttle: 2
+  args: [--shard-samples, "16"]
+""")
+    out = vitforge("submit", spec).stdout
+    _, merge = re.findall(r"submitted (?:job array|merge job) (\d+):", out)
+    assert _wait(merge)["state"] == "COMPLETED", vitforge("logs", merge, check=False).stdout
+    parts = tmp_path / "parts"
+    assert tree_bytes(single).keys() <= tree_bytes(parts).keys()
+    assert {k: v for k, v in tree_bytes(parts).items() if not k.startswith("_work")} == \
+        {k: v for k, v in tree_bytes(single).items() if not k.startswith("_work")}
+    # A failed part is resubmitted alone: part 1 again (it resumes: nothing to rebuild), then the merge.
+    again = vitforge("submit", spec, "--parts", "1").stdout
+    assert "--array" not in again and "job array" in again
+    merge_again = re.findall(r"submitted merge job (\d+):", again)[0]
+    assert _wait(merge_again)["state"] == "COMPLETED"
+    assert "#SBATCH --array=1" in (tmp_path / "logs" / "array-test.sbatch").read_text()
