@@ -10,6 +10,8 @@ import subprocess
 
 from vitforge.core import UsageError, VitforgeError
 
+from .spec import slurm_seconds
+
 
 class SlurmError(VitforgeError):
     exit_code = 3
@@ -45,3 +47,21 @@ def cancel(job: str, signal: str | None = None) -> None:
 def log_path(job: str) -> str:
     info = job_info(job)
     return os.path.expandvars(info.get("StdOut", ""))
+
+
+def partition_limits(partition: str | None) -> dict | None:
+    """{"name", "max_gpus_per_node", "max_time_s"} of a partition (the default one when None), from
+    sinfo; None when no partition of that name is known. max_time_s is None when unlimited."""
+    lines = _run(["sinfo", "-h", "-o", "%P|%l|%G"]).splitlines()
+    for line in lines:
+        name, limit, gres = (line.split("|") + ["", ""])[:3]
+        default = name.endswith("*")
+        name = name.rstrip("*")
+        if (partition is None and default) or name == partition:
+            gpus = [int(n) for n in re.findall(r"gpu(?::[^:,(]+)?:(\d+)", gres)]
+            return {"name": name, "max_gpus_per_node": max(gpus, default=0), "max_time_s": _seconds(limit)}
+    return None
+
+
+def _seconds(limit: str) -> int | None:
+    return None if limit in ("infinite", "UNLIMITED", "n/a", "") else slurm_seconds(limit)

@@ -106,13 +106,30 @@ class LaunchSpec(Strict):
 
     def time_limit_s(self) -> int:
         """SLURM's forms: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS."""
-        days, _, clock = self.time.rpartition("-")
-        parts = [int(p) for p in clock.split(":")]
-        if days:
-            hours, minutes, seconds = (parts + [0, 0])[:3]
-        else:
-            hours, minutes, seconds = {1: [0, parts[0], 0], 2: [0, *parts], 3: parts}[len(parts)]
-        return (int(days or 0) * 24 + hours) * 3600 + minutes * 60 + seconds
+        return slurm_seconds(self.time)
+
+
+def slurm_seconds(text: str) -> int:
+    days, _, clock = text.rpartition("-")
+    parts = [int(p) for p in clock.split(":")]
+    if days:
+        hours, minutes, seconds = (parts + [0, 0])[:3]
+    else:
+        hours, minutes, seconds = {1: [0, parts[0], 0], 2: [0, *parts], 3: parts}[len(parts)]
+    return (int(days or 0) * 24 + hours) * 3600 + minutes * 60 + seconds
+
+
+def check_against(spec: LaunchSpec, limits: dict | None) -> None:
+    """An impossible request is an error before anything is submitted."""
+    where = spec.partition or "the default partition"
+    if limits is None:
+        raise SpecError(f"partition {where!r}: SLURM knows no such partition")
+    if spec.gpus_per_node > limits["max_gpus_per_node"]:
+        raise SpecError(f"gpus_per_node {spec.gpus_per_node}: partition {limits['name']} offers at most "
+                        f"{limits['max_gpus_per_node']} GPUs per node")
+    if limits["max_time_s"] is not None and spec.time_limit_s() > limits["max_time_s"]:
+        raise SpecError(f"time {spec.time}: over partition {limits['name']}'s limit of "
+                        f"{limits['max_time_s'] // 60} minutes")
 
 
 def load_spec(path: str | Path, overrides: list[str] = ()) -> LaunchSpec:

@@ -15,7 +15,7 @@ from vitforge.core import setup_logging
 
 from . import slurm
 from .render import render, render_merge, render_shard_array
-from .spec import SPECS, SpecError, load_spec
+from .spec import SPECS, SpecError, check_against, load_spec
 
 
 def submit_main(argv: list[str]) -> int:
@@ -38,6 +38,7 @@ def submit_main(argv: list[str]) -> int:
     if args.dry_run:
         print("\n".join(scripts.values()), end="")
         return 0
+    check_against(spec, slurm.partition_limits(spec.partition))
     os.makedirs(spec.log_dir, exist_ok=True)
     jobs = []
     for name, script in scripts.items():

@@ -62,6 +62,7 @@ OverTimeLimit=0
 DependencyParameters=kill_invalid_depend
 NodeName={host} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} RealMemory={memory_mib} State=UNKNOWN
 PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
+PartitionName=short Nodes={host} MaxTime=10 State=UP
 """)
     env = {**os.environ, "SLURM_CONF": str(conf)}
     subprocess.run(["slurmctld", "-f", str(conf)], env=env, check=True)

@@ -153,3 +153,16 @@ shard:
     merge_again = re.findall(r"submitted merge job (\d+):", again)[0]
     assert _wait(merge_again)["state"] == "COMPLETED"
     assert "#SBATCH --array=1" in (tmp_path / "logs" / "array-test.sbatch").read_text()
+
+
+def test_impossible_requests_are_refused_before_submitting(slurm, monkeypatch, tmp_path):
+    for key, value in slurm.items():
+        monkeypatch.setenv(key, value)
+    common = ["--set", f"log_dir={tmp_path}"]
+    gpus = vitforge("submit", "tiny_cpu", "--set", "gpus_per_node=8", *common, check=False)
+    assert gpus.returncode == errors.USAGE and "partition debug offers at most 0 GPUs per node" in gpus.stderr
+    long = vitforge("submit", "tiny_cpu", "--set", "partition=short", "--set", "time=01:00:00", *common, check=False)
+    assert long.returncode == errors.USAGE and "over partition short's limit of 10 minutes" in long.stderr
+    missing = vitforge("submit", "tiny_cpu", "--set", "partition=nowhere", *common, check=False)
+    assert missing.returncode == errors.USAGE and "'nowhere': SLURM knows no such partition" in missing.stderr
+    assert not list(tmp_path.glob("*.sbatch"))  # nothing was written or submitted
