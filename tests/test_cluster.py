@@ -57,13 +57,16 @@ def test_time_limit_forms():
     assert "--time=00:30:00" in render(spec)
 
 
-def _submit(data, tmp_path, run: str, *spec_overrides: str, steps: int = 24) -> str:
-    overrides = ("[data.backend=torch, data.workers=0, "
-                 f"data.train={data / 'train'}, data.val=null, checkpoint.dir={data / 'runs'}, checkpoint.run={run}, "
-                 f"train.steps={steps}, train.log_every=1, train.checkpoint_every=6, checkpoint.keep_last=10]")
+def _submit(data, tmp_path, run: str, *spec_overrides: str, steps: int = 24, store: str | None = None,
+            env: dict | None = None) -> str:
+    where = f"checkpoint.dir={store}, checkpoint.log_dir={tmp_path / 'metrics'}" if store else \
+        f"checkpoint.dir={data / 'runs'}"
+    overrides = (f"[data.backend=torch, data.workers=0, data.train={data / 'train'}, data.val=null, {where}, "
+                 f"checkpoint.run={run}, train.steps={steps}, train.log_every=1, train.checkpoint_every=50, "
+                 "checkpoint.keep_last=10]")
     result = vitforge("submit", "tiny_cpu", "--set", f"venv={REPO / '.venv'}", "--set", f"log_dir={tmp_path}",
                       "--set", f"name={run}", "--set", f"train.overrides={overrides}", *spec_overrides,
-                      env={**EXTENSIONS, "AWS_SECRET_ACCESS_KEY": SECRET})
+                      env={**EXTENSIONS, "AWS_SECRET_ACCESS_KEY": SECRET, **(env or {})})
     return result.stdout.split("submitted job ")[1].split(":")[0]
 
 
@@ -83,24 +86,39 @@ def _wait(job: str, states=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), time
     raise AssertionError(f"job {job} did not reach {states}: {_state(job)}")
 
 
-def test_preempted_slurm_job_requeues_itself_and_ends_like_an_uninterrupted_run(data, slurm, monkeypatch, tmp_path):
-    for key, value in slurm.items():
+def test_preempted_slurm_job_requeues_itself_twice_and_ends_like_an_uninterrupted_run(data, slurm, s3_server,
+                                                                                     bucket, monkeypatch, tmp_path):
+    """The tiny spec through the real SLURM, checkpointing to the S3 server: SIGUSR1 twice (as a
+    preemption or the pre-limit signal would send), two self-requeues, resumed from the store."""
+    for key, value in {**slurm, **s3_server["env"]}.items():
         monkeypatch.setenv(key, value)
-    train(data, "slurm_straight", "train.steps=60", "train.log_every=1", "train.checkpoint_every=6",
+    train(data, "slurm_straight", "train.steps=300", "train.log_every=1", "train.checkpoint_every=50",
           "data.val=null", "checkpoint.keep_last=10")
-    job = _submit(data, tmp_path, "slurm_rq", steps=60)
-    lease = data / "runs" / "slurm_rq" / "lease.json"
-    deadline = time.monotonic() + 300
-    while not lease.exists() and time.monotonic() < deadline:  # the trainer's signal handler is in place
-        time.sleep(0.05)
-    subprocess.run(["scancel", "--signal=USR1", job], check=True)  # at once: the run is short
+    store = f"s3://{bucket}/runs"
+    job = _submit(data, tmp_path, "slurm_rq", steps=300, store=store,
+                  env={**s3_server["env"], "AWS_SECRET_ACCESS_KEY": SECRET})
+    client = s3_server["client"]
+    log = tmp_path / f"slurm_rq-{job}.out"
+    for restart in (0, 1):
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:  # the trainer is up (its signal handler is in place) and training
+            text = log.read_text() if log.exists() else ""
+            started = f"restart {restart} on" in text and (restart == 0 or text.count("resumed s3://") == restart)
+            if started and client.list_objects_v2(Bucket=bucket, Prefix="runs/slurm_rq/lease.json").get("KeyCount"):
+                break
+            time.sleep(0.05)
+        subprocess.run(["scancel", "--signal=USR1", job], check=True)
+        if restart == 0:
+            deadline = time.monotonic() + 120
+            while "requeueing job" not in log.read_text() and time.monotonic() < deadline:
+                time.sleep(0.2)
     final = _wait(job, states=("COMPLETED", "FAILED", "CANCELLED"))
-    log = vitforge("logs", job).stdout
-    assert final["state"] == "COMPLETED" and final["restarts"] == 1, (final, log[-3000:])
-    assert "stopped for requeue: stopped at step" in log and "requeueing job" in log and "resumed" in log
-    assert SECRET not in log and SECRET not in (tmp_path / "slurm_rq.sbatch").read_text()
-    assert losses(data / "runs" / "slurm_rq") == losses(data / "runs" / "slurm_straight")
-    assert_same_weights(weights(str(data / "runs" / "slurm_rq")), weights(str(data / "runs" / "slurm_straight")))
+    text = vitforge("logs", job).stdout
+    assert final["state"] == "COMPLETED" and final["restarts"] == 2, (final, text[-3000:])
+    assert text.count("stopped for requeue: stopped at step") == 2 and text.count(f"resumed {store}/slurm_rq") == 2
+    assert SECRET not in text and SECRET not in (tmp_path / "slurm_rq.sbatch").read_text()
+    assert losses(tmp_path / "metrics") == losses(data / "runs" / "slurm_straight")
+    assert_same_weights(weights(f"{store}/slurm_rq"), weights(str(data / "runs" / "slurm_straight")))
 
 
 def test_the_requeue_limit_is_honoured(data, slurm, monkeypatch, tmp_path):
