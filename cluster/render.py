@@ -26,8 +26,12 @@ NCCL_PRESETS = {
 
 
 def trainer_command(spec: LaunchSpec) -> list[str]:
+    """`vitforge train` with the spec's overrides. A time budget that ends where the pre-limit
+    signal would come is set first (the user's own train.max_minutes wins): if the signal is late
+    (SLURM checks limits every 30 s) or lost, the trainer still stops in time with a checkpoint."""
     args = ["vitforge", "train", spec.train.config]
-    overrides = list(spec.train.overrides)
+    budget = (spec.time_limit_s() - spec.signal_lead_s) / 60
+    overrides = [f"train.max_minutes={budget:g}", *spec.train.overrides]
     if spec.train.dataset:
         overrides.append(f"data.train={spec.train.dataset}")
     if spec.train.checkpoint_dir:

@@ -55,6 +55,11 @@ def test_time_limit_forms():
                           ("1-12", 129600)):
         assert spec.model_copy(update={"time": text}).time_limit_s() == seconds
     assert "--time=00:30:00" in render(spec)
+    # The trainer's own budget ends where the pre-limit signal would come (30 min - 60 s); a user's wins.
+    assert "--set train.max_minutes=29 " in render(spec)
+    mine = spec.model_copy(update={"train": spec.train.model_copy(update={"overrides": ["train.max_minutes=5"]})})
+    script = render(mine)
+    assert script.index("train.max_minutes=29") < script.index("train.max_minutes=5")
 
 
 def _submit(data, tmp_path, run: str, *spec_overrides: str, steps: int = 24, store: str | None = None,
