@@ -112,8 +112,7 @@ def run(args, work: str, server) -> int:
             results[mode].append(time.perf_counter() - start)
             results[f"{mode}_write"].append(checkpointer.last_stall["deepspeed_s"])
             busy = []
-            while mode == "async" and checkpointer.uploader._thread is not None and \
-                    checkpointer.uploader._thread.is_alive():
+            while mode == "async" and checkpointer.uploader.busy():
                 busy.append(step())
             if mode == "async":
                 checkpointer.wait()

@@ -52,9 +52,9 @@ def _allocation(spec: LaunchSpec) -> list[str]:
     ]
 
 
-def _setup(spec: LaunchSpec) -> list[str]:
-    return [*(f"export {k}={shlex.quote(v)}" for k, v in sorted(spec.env.items())),
-            *([f"source {shlex.quote(spec.venv)}/bin/activate"] if spec.venv else [])]
+def _setup(env: dict[str, str], venv: str | None) -> list[str]:
+    return [*(f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())),
+            *([f"source {shlex.quote(venv)}/bin/activate"] if venv else [])]
 
 
 def render_shard_array(spec: LaunchSpec, parts: list[int] | None = None) -> str:
@@ -73,7 +73,7 @@ def render_shard_array(spec: LaunchSpec, parts: list[int] | None = None) -> str:
         "#SBATCH --ntasks=1", f"#SBATCH --cpus-per-task={spec.cpus_per_task}", f"#SBATCH --time={spec.time}",
         *(f"#SBATCH {d}" for d in _allocation(spec)),
         "#SBATCH --requeue", "#SBATCH --open-mode=append", f"#SBATCH --output={spec.log_dir}/%x-%A_%a.out",
-        "", "set -uo pipefail", *_setup(spec),
+        "", "set -uo pipefail", *_setup(spec.env, spec.venv),
         "# Array task i builds part i (also when only some parts are resubmitted); a rerun resumes it.",
         shlex.join(command) + ' --part "$SLURM_ARRAY_TASK_ID"',
     ]
@@ -88,7 +88,7 @@ def render_merge(spec: LaunchSpec) -> str:
         f"#SBATCH --job-name={spec.name}-merge", "#SBATCH --nodes=1", "#SBATCH --ntasks=1",
         "#SBATCH --cpus-per-task=1", f"#SBATCH --time={spec.time}", *(f"#SBATCH {d}" for d in _allocation(spec)),
         "#SBATCH --open-mode=append", f"#SBATCH --output={spec.log_dir}/%x-%j.out",
-        "", "set -uo pipefail", *_setup(spec),
+        "", "set -uo pipefail", *_setup(spec.env, spec.venv),
         shlex.join(["vitforge", "shard", "merge", spec.shard.dest]),
     ]
     return "\n".join(lines) + "\n"
@@ -110,7 +110,6 @@ def render(spec: LaunchSpec) -> str:
         srun.append(f"--container-image={spec.container.image}")
         if spec.container.mounts:
             srun.append(f"--container-mounts={','.join(spec.container.mounts)}")
-    env = {**NCCL_PRESETS[spec.nccl], **spec.env}
     lines = [
         "#!/bin/bash",
         f"# vitforge launch spec {spec.name!r}: {spec.nodes} node(s) x {spec.ntasks_per_node} task(s), rendered by "
@@ -122,7 +121,7 @@ def render(spec: LaunchSpec) -> str:
         "# Rendezvous: the allocation's first node; a port derived from the job id (stable across requeues).",
         'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
         "export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))",
-        *_setup(spec.model_copy(update={"env": env})),
+        *_setup({**NCCL_PRESETS[spec.nccl], **spec.env}, spec.venv),
         'echo "vitforge: job $SLURM_JOB_ID start $(date -Is) restart ${SLURM_RESTART_COUNT:-0} on $SLURM_JOB_NODELIST"',
         "",
         "# One task per GPU; SLURM maps SLURM_PROCID/NTASKS/LOCALID to the trainer's ranks. Rank 0 writes",

@@ -32,24 +32,26 @@ def submit_main(argv: list[str]) -> int:
     setup_logging()
     spec = load_spec(args.spec, args.overrides)
     parts = _parts(args.parts, spec) if args.parts else None
-    scripts = {f"{spec.name}.sbatch": render_shard_array(spec, parts) if spec.shard else render(spec)}
+    # (file name, script, what it is, its log); each job after the first waits for the first (afterok).
     if spec.shard:
-        scripts[f"{spec.name}-merge.sbatch"] = render_merge(spec)
+        jobs = [(f"{spec.name}.sbatch", render_shard_array(spec, parts), "job array",
+                 f"{spec.name}-{{job}}_<task>.out"),
+                (f"{spec.name}-merge.sbatch", render_merge(spec), "merge job", f"{spec.name}-merge-{{job}}.out")]
+    else:
+        jobs = [(f"{spec.name}.sbatch", render(spec), "job", f"{spec.name}-{{job}}.out")]
     if args.dry_run:
-        print("\n".join(scripts.values()), end="")
+        print("\n".join(script for _, script, _, _ in jobs), end="")
         return 0
     check_against(spec, slurm.partition_limits(spec.partition))
     os.makedirs(spec.log_dir, exist_ok=True)
-    jobs = []
-    for name, script in scripts.items():
+    first = None
+    for name, script, kind, log in jobs:
         path = os.path.join(spec.log_dir, name)
         with open(path, "w") as f:
             f.write(script)
-        jobs.append(slurm.submit(path, after_ok=jobs[0] if jobs else None))
-        kind = "merge job" if jobs[1:] else ("job array" if spec.shard else "job")
-        log = f"{spec.name}-merge-{jobs[-1]}.out" if jobs[1:] else \
-            (f"{spec.name}-{jobs[-1]}_<task>.out" if spec.shard else f"{spec.name}-{jobs[-1]}.out")
-        print(f"submitted {kind} {jobs[-1]}: script {path}, log {os.path.join(spec.log_dir, log)}")
+        job = slurm.submit(path, after_ok=first)
+        first = first or job
+        print(f"submitted {kind} {job}: script {path}, log {os.path.join(spec.log_dir, log.format(job=job))}")
     return 0
 
 

@@ -16,9 +16,10 @@ def sha256_file(path: str) -> str:
 
 
 @contextlib.contextmanager
-def atomic_path(path: str) -> Iterator[str]:
-    """Yield a temporary name beside `path`; rename it into place only if the block succeeds."""
-    tmp = f"{path}{PARTIAL_MARK}{os.getpid()}"
+def atomic_path(path: str, tmp: str | None = None) -> Iterator[str]:
+    """Yield a temporary name (beside `path` unless given: it must be on the same filesystem);
+    rename it into place only if the block succeeds."""
+    tmp = tmp or f"{path}{PARTIAL_MARK}{os.getpid()}"
     try:
         yield tmp
         os.replace(tmp, path)
@@ -27,8 +28,8 @@ def atomic_path(path: str) -> Iterator[str]:
             os.unlink(tmp)
 
 
-def atomic_write(path: str, data: bytes) -> None:
-    with atomic_path(path) as tmp:
+def atomic_write(path: str, data: bytes, tmp: str | None = None) -> None:
+    with atomic_path(path, tmp) as tmp:
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()

@@ -12,8 +12,8 @@ def process_rank() -> int:
     return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
 
 
-def setup_logging(verbose: bool = True) -> None:
+def setup_logging() -> None:
     rank = process_rank()
-    level = logging.INFO if verbose and rank == 0 else logging.WARNING
+    level = logging.INFO if rank == 0 else logging.WARNING
     logging.basicConfig(level=level, format=f"%(asctime)s [rank {rank}] %(name)s %(levelname)s %(message)s",
                         stream=sys.stderr, force=True)

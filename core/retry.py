@@ -27,9 +27,8 @@ def retry_seconds() -> float:
     return float(os.environ.get("VITFORGE_RETRY_SECONDS", "60"))
 
 
-def with_retries(fn: Callable[[], T], what: str, attempts: int = 6, base_delay: float = 0.2,
-                 deadline_s: float | None = None) -> T:
-    deadline = time.monotonic() + (retry_seconds() if deadline_s is None else deadline_s)
+def with_retries(fn: Callable[[], T], what: str, attempts: int = 6, base_delay: float = 0.2) -> T:
+    deadline = time.monotonic() + retry_seconds()
     for attempt in range(1, attempts + 1):
         try:
             return fn()

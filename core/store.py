@@ -29,9 +29,6 @@ from .errors import PreconditionFailed, StorageError, UsageError
 from .files import PARTIAL_MARK, atomic_write
 from .retry import TransientError, with_retries
 
-SCHEMES = ("file://", "s3://")
-
-
 def is_remote(url: str) -> bool:
     return "://" in url and not url.startswith("file://")
 
@@ -83,16 +80,7 @@ class LocalStore:
     def put_bytes(self, name: str, data: bytes) -> None:
         try:
             os.makedirs(os.path.dirname(self.url(name)), exist_ok=True)
-            tmp = self.temp_path(name)
-            try:
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, self.url(name))
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
+            atomic_write(self.url(name), data, self.temp_path(name))
         except OSError as e:
             raise _local_error(self.url(name), e) from None
 
@@ -174,7 +162,8 @@ class LocalStore:
                 os.removedirs(folder)
 
     def abort_uploads(self, prefix: str) -> int:
-        """Remove temporaries that writers of this host left under `prefix` and that are dead."""
+        """Remove the temporaries of dead writers on this host (a local store keeps every
+        temporary in its one work folder, whatever the prefix)."""
         folder = self._temp_dir()
         return _discard_stale(folder, set()) if os.path.isdir(folder) else 0
 

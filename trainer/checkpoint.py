@@ -93,6 +93,9 @@ class Uploader:
         self._thread = threading.Thread(target=run, name="vitforge-upload", daemon=True)
         self._thread.start()
 
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
     def wait(self) -> float:
         """Block until the upload in flight is done; return the seconds waited."""
         start = time.perf_counter()
@@ -115,6 +118,9 @@ class Checkpointer:
         base = staging or tempfile.gettempdir()
         # One staging folder per run on each node, one subfolder per rank: ranks never share files.
         self.staging = os.path.join(base, "vitforge-ckpt", re.sub(r"[^A-Za-z0-9_.-]", "_", self.run.url))
+        # Where a restore's files lie on this node: the store itself when local, else downloaded here.
+        self.download_dir = os.path.join(self.staging, "restore")
+        self.restored_files = self.run.store.local_path("") or self.download_dir
         self.keep_last, self.keep_every = keep_last, keep_every
         self.upload_timeout = upload_timeout_minutes * 60
         # The metrics travel with the checkpoints, unless they are written in the run folder already.
@@ -156,8 +162,8 @@ class Checkpointer:
         start = time.perf_counter()
         tag = tag_for(step)
         if self.rank == 0 and tag in self.known_tags:
-            # Saving a step again (after falling back past it): the old folder goes first, manifest
-            # last, so its stale receipts and files can never be mixed into the new checkpoint.
+            # Saving a step again (after falling back past it): the old folder goes first (its
+            # manifest before its files), so stale receipts can never be mixed into the new checkpoint.
             # No rank uploads before DeepSpeed's save below ends in a barrier.
             self.run.delete_tags([tag])
         self.known_tags.add(tag)
@@ -230,15 +236,14 @@ class Checkpointer:
         construction whether it will load a universal checkpoint). Returns (engine, restored or None)."""
         candidates = agree(lambda: self.run.candidates(resume))
         explicit = resume not in ("auto", "never")
-        engine = None
+        engine, universal = None, None
         for n, tag in enumerate(candidates):
             try:
                 manifest = agree(lambda: self.run.manifest(tag))
                 resharded = manifest["world_size"] != self.world_size
                 load_dir = self._fetch(tag, manifest, resharded)
-                if engine is None or resharded != getattr(engine, "_vitforge_universal", False):
-                    engine = engine_for(resharded)
-                    engine._vitforge_universal = resharded
+                if resharded != universal:
+                    engine, universal = engine_for(resharded), resharded
                 restored = self._load(engine, load_dir, tag, manifest, resharded)
                 return engine, restored
             except CheckpointError as e:
@@ -259,14 +264,13 @@ class Checkpointer:
         mine = socket.gethostname()
         node_ranks = {r for r, h in enumerate(hosts) if h == mine}
         leader = min(node_ranks) == self.rank
-        folder = os.path.join(self.staging, "restore")
 
         def fetch() -> str:
             if not leader:
                 return ""
-            shutil.rmtree(folder, ignore_errors=True)
+            shutil.rmtree(self.download_dir, ignore_errors=True)
             names = needed_files(sorted(manifest["files"]), node_ranks, everything)
-            return self.run.fetch(tag, names, manifest, folder)
+            return self.run.fetch(tag, names, manifest, self.download_dir)
 
         where = all_ok(fetch)
         load_dir = where[min(node_ranks)]
@@ -301,7 +305,7 @@ class Checkpointer:
             if path is None:
                 raise CheckpointError(f"{self.run.object_url(tag)}: DeepSpeed could not load the checkpoint")
             state_rank = 0 if resharded else self.rank
-            base = os.path.join(self.run.store.local_path("") or os.path.join(self.staging, "restore"), tag)
+            base = os.path.join(self.restored_files, tag)
             mine = torch.load(os.path.join(base, f"rank{state_rank}_state.pt"), weights_only=False)
             shared_path = os.path.join(base, "shared_state.pt")
             shared = torch.load(shared_path, weights_only=False) if os.path.exists(shared_path) else {}

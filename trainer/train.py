@@ -286,13 +286,13 @@ def _max_rss_bytes() -> int:
 def run(cfg: Config) -> dict:
     """Train on every rank of the job."""
     check_model_name(cfg.model.name)
-    cfg.accumulation(int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1"))))
-    # First, so a preemption signal during start-up (DeepSpeed, data, downloads) stops the run
-    # cleanly at its first step instead of killing it.
+    env = detect_env()
+    cfg.accumulation(env.world_size)  # batch arithmetic checked before anything is built
+    # Before anything slow, so a preemption signal during start-up (DeepSpeed, data, downloads)
+    # stops the run cleanly at its first step instead of killing it.
     stop = StopRequest(cfg.train.max_minutes)
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: die with the agent, never orphaned
         die_with_parent(os.getppid())
-    env = detect_env()
     device = init_distributed(env)
     checkpointer = None
     ok = False
@@ -316,7 +316,6 @@ def run(cfg: Config) -> dict:
 
 
 def _build(cfg: Config, env, device, stop: StopRequest) -> tuple[Trainer, Checkpointer]:
-    cfg.accumulation(env.world_size)  # batch arithmetic checked before anything is built
     _seed_everything(cfg.train.seed)
     train_loader = build_data_loader(cfg, cfg.data.train, True, env, device)
     index = train_loader.index
