@@ -44,6 +44,8 @@ def trainer_command(spec: LaunchSpec) -> list[str]:
 def _allocation(spec: LaunchSpec) -> list[str]:
     return [
         *([f"--mem={spec.mem_per_node}"] if spec.mem_per_node else []),
+        *([f"--mem-per-cpu={spec.mem_per_cpu}"] if spec.mem_per_cpu else []),
+        *([f"--mem-per-gpu={spec.mem_per_gpu}"] if spec.mem_per_gpu else []),
         *([f"--partition={spec.partition}"] if spec.partition else []),
         *([f"--account={spec.account}"] if spec.account else []),
         *([f"--qos={spec.qos}"] if spec.qos else []),
@@ -101,7 +103,8 @@ def render(spec: LaunchSpec) -> str:
     directives = [
         f"--job-name={spec.name}", f"--nodes={spec.nodes}", f"--ntasks-per-node={spec.ntasks_per_node}",
         f"--cpus-per-task={spec.cpus_per_task}", f"--time={spec.time}",
-        *([f"--gpus-per-node={spec.gpus_per_node}"] if spec.gpus_per_node else []),
+        *([f"--gpus-per-node={spec.gpu_type + ':' if spec.gpu_type else ''}{spec.gpus_per_node}"]
+          if spec.gpus_per_node else []),
         *_allocation(spec),
         "--requeue", f"--signal=USR1@{spec.signal_lead_s}", "--open-mode=append", f"--output={log}",
     ]

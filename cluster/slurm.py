@@ -50,17 +50,32 @@ def log_path(job: str) -> str:
 
 
 def partition_limits(partition: str | None) -> dict | None:
-    """{"name", "max_gpus_per_node", "max_time_s"} of a partition (the default one when None), from
-    sinfo; None when no partition of that name is known. max_time_s is None when unlimited."""
-    lines = _run(["sinfo", "-h", "-o", "%P|%l|%G"]).splitlines()
-    for line in lines:
+    """The limits of a partition (the default one when None) as sinfo reports them, or None when no
+    partition of that name is known."""
+    return parse_partitions(_run(["sinfo", "-h", "-o", "%P|%l|%G"]), partition)
+
+
+def parse_partitions(sinfo: str, partition: str | None) -> dict | None:
+    """{"name", "gpus_per_node": {GRES type or None: most GPUs on one node}, "max_time_s"} from
+    `sinfo -h -o %P|%l|%G`, which prints a line per distinct node configuration of a partition and
+    GRES as gpu:8, gpu:h100:8(S:0-1), gpu:a100:4,gpu:h100:4 or (null). max_time_s: None if unlimited."""
+    found = None
+    for line in sinfo.splitlines():
         name, limit, gres = (line.split("|") + ["", ""])[:3]
         default = name.endswith("*")
         name = name.rstrip("*")
-        if (partition is None and default) or name == partition:
-            gpus = [int(n) for n in re.findall(r"gpu(?::[^:,(]+)?:(\d+)", gres)]
-            return {"name": name, "max_gpus_per_node": max(gpus, default=0), "max_time_s": _seconds(limit)}
-    return None
+        if not ((partition is None and default) or name == partition):
+            continue
+        found = found or {"name": name, "gpus_per_node": {}, "max_time_s": _seconds(limit)}
+        on_node: dict[str | None, int] = {}
+        for gpu_type, count in re.findall(r"(?:^|,)gpu(?::([^:,(]+))?:(\d+)", gres):
+            on_node[gpu_type or None] = on_node.get(gpu_type or None, 0) + int(count)
+        typed = sum(n for t, n in on_node.items() if t is not None)
+        if typed:  # an untyped request takes GPUs of any type
+            on_node[None] = on_node.get(None, 0) + typed
+        for gpu_type, count in on_node.items():
+            found["gpus_per_node"][gpu_type] = max(found["gpus_per_node"].get(gpu_type, 0), count)
+    return found
 
 
 def _seconds(limit: str) -> int | None:

@@ -17,6 +17,7 @@ SPECS = Path(__file__).resolve().parent / "specs"
 # they are submitted from (sbatch exports it) or from a credentials file the cluster has.
 SECRET_NAME = re.compile(r"SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL|ACCESS_KEY|PRIVATE|SESSION", re.IGNORECASE)
 TIME = re.compile(r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$")
+MEMORY = re.compile(r"^\d+[KMGT]?$")  # SLURM's size form: megabytes, or a K/M/G/T suffix
 
 
 class SpecError(UsageError):
@@ -53,7 +54,11 @@ class LaunchSpec(Strict):
     gpus_per_node: int = Field(8, ge=0)
     tasks_per_node: int | None = Field(None, ge=1)  # default: one task per GPU (1 without GPUs)
     cpus_per_task: int = Field(8, ge=1)
-    mem_per_node: str | None = None  # e.g. "900G"; None: the partition's default
+    # Memory: at most one of these (SLURM's --mem, --mem-per-cpu, --mem-per-gpu); none: the partition's default.
+    mem_per_node: str | None = None  # e.g. "900G"
+    mem_per_cpu: str | None = None  # e.g. "8G": scales with cpus_per_task x tasks
+    mem_per_gpu: str | None = None  # e.g. "110G"
+    gpu_type: str | None = None  # a GRES type, e.g. "h100": requests --gpus-per-node=h100:8
     time: str = "04:00:00"  # D-HH:MM:SS
     partition: str | None = None
     account: str | None = None
@@ -84,6 +89,13 @@ class LaunchSpec(Strict):
             raise ValueError(f"{value!r}: expected a SLURM time such as 04:00:00 or 2-00:00:00")
         return value
 
+    @field_validator("mem_per_node", "mem_per_cpu", "mem_per_gpu")
+    @classmethod
+    def _slurm_size(cls, value: str | None) -> str | None:
+        if value is not None and not MEMORY.match(value):
+            raise ValueError(f"{value!r}: expected a SLURM size such as 900G, 64000 (MB) or 2T")
+        return value
+
     @field_validator("env")
     @classmethod
     def _no_secrets(cls, value: dict[str, str]) -> dict[str, str]:
@@ -98,6 +110,13 @@ class LaunchSpec(Strict):
     def _one_job(self):
         if (self.train is None) == (self.shard is None):
             raise ValueError("give exactly one of train: or shard:")
+        memory = [k for k in ("mem_per_node", "mem_per_cpu", "mem_per_gpu") if getattr(self, k) is not None]
+        if len(memory) > 1:
+            raise ValueError(f"{' and '.join(memory)}: give at most one (SLURM takes one memory request)")
+        if self.mem_per_gpu and not self.gpus_per_node:
+            raise ValueError("mem_per_gpu: the spec requests no GPUs (gpus_per_node is 0)")
+        if self.gpu_type and not self.gpus_per_node:
+            raise ValueError("gpu_type: the spec requests no GPUs (gpus_per_node is 0)")
         return self
 
     @property
@@ -124,9 +143,18 @@ def check_against(spec: LaunchSpec, limits: dict | None) -> None:
     where = spec.partition or "the default partition"
     if limits is None:
         raise SpecError(f"partition {where!r}: SLURM knows no such partition")
-    if spec.gpus_per_node > limits["max_gpus_per_node"]:
+    gpus = limits["gpus_per_node"]  # GRES type (None: untyped) -> the most any node of the partition has
+    if spec.gpu_type is not None:
+        if spec.gpu_type not in gpus:
+            offered = ", ".join(sorted(t for t in gpus if t)) or "no typed GPUs"
+            raise SpecError(f"gpu_type {spec.gpu_type!r}: partition {limits['name']} offers {offered}")
+        most = gpus[spec.gpu_type]
+    else:
+        most = max(gpus.values(), default=0)
+    if spec.gpus_per_node > most:
+        kind = f"{spec.gpu_type} " if spec.gpu_type else ""
         raise SpecError(f"gpus_per_node {spec.gpus_per_node}: partition {limits['name']} offers at most "
-                        f"{limits['max_gpus_per_node']} GPUs per node")
+                        f"{most} {kind}GPUs per node")
     if limits["max_time_s"] is not None and spec.time_limit_s() > limits["max_time_s"]:
         raise SpecError(f"time {spec.time}: over partition {limits['name']}'s limit of "
                         f"{limits['max_time_s'] // 60} minutes")

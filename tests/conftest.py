@@ -82,8 +82,11 @@ def s3_env(s3_server, monkeypatch):
     return s3_server["env"]
 
 
-# The JIT-built DeepSpeed shm op is cached with the venv: built once (about 30 s), then reused.
-EXTENSIONS = {"TORCH_EXTENSIONS_DIR": str(REPO / ".venv" / "torch_extensions"), "OMP_NUM_THREADS": "1"}
+# The JIT-built DeepSpeed shm op is cached with the venv: built once (about 30 s), then reused. The
+# venv's ninja comes first on PATH for every run, as in a SLURM job that activates the venv: ninja
+# 1.11 (Debian) and 1.13 (the venv) hash .ninja_log differently, and each switch rebuilds the op.
+EXTENSIONS = {"TORCH_EXTENSIONS_DIR": str(REPO / ".venv" / "torch_extensions"), "OMP_NUM_THREADS": "1",
+              "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
 
 
 @pytest.fixture(scope="session")

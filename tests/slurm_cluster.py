@@ -60,10 +60,16 @@ MinJobAge=300
 KillWait=5
 OverTimeLimit=0
 DependencyParameters=kill_invalid_depend
-NodeName={host} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} RealMemory={memory_mib} State=UNKNOWN
+# A requeued job may start 10 s later; schedule every 2 s, not 60, so it does (the loop tests wait less).
+SchedulerParameters=sched_interval=2,bf_interval=1
+GresTypes=gpu
+NodeName={host} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} RealMemory={memory_mib} Gres=gpu:testgpu:2 State=UNKNOWN
 PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
 PartitionName=short Nodes={host} MaxTime=10 State=UP
 """)
+    # Two GPUs of a made-up type with no device files (a fake, named as such): jobs here request
+    # none; they let submit's partition checks read typed GRES from a real sinfo.
+    (folder / "gres.conf").write_text("Name=gpu Type=testgpu File=/dev/null\nName=gpu Type=testgpu File=/dev/zero\n")
     env = {**os.environ, "SLURM_CONF": str(conf)}
     subprocess.run(["slurmctld", "-f", str(conf)], env=env, check=True)
     subprocess.run(["slurmd", "-f", str(conf)], env=env, check=True)

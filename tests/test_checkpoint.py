@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -160,6 +161,66 @@ def test_sigusr1_to_one_rank_saves_and_exits_for_requeue(data, straight, tmp_pat
     assert f"at step {step}" in resumed.stderr
     assert losses(data / "runs" / "usr1") == losses(straight)
     assert_same_weights(weights(str(data / "runs" / "usr1")), weights(str(straight)))
+
+
+def _signal_during_start_up(ranks, run, children: bool) -> set[str]:
+    """SIGUSR1 every 0.3 s to each rank (and, like SLURM, to all its descendants when `children`)
+    from the moment the ranks hold the signal until start-up is over (the lease is taken) or they
+    exit; returns the names of the descendants signalled. (The CLI holds the signals from its first
+    line, about 0.1 s after exec; before that a signal still kills the process.)"""
+    import psutil
+
+    held = (1 << (signal.SIGUSR1 - 1)) | (1 << (signal.SIGTERM - 1))
+    deadline = time.monotonic() + 30
+    while not all(_blocked_signals(r.pid) & held == held for r in ranks) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    signalled = set()
+    deadline = time.monotonic() + 240
+    while not (run / "lease.json").exists() and time.monotonic() < deadline and all(r.poll() is None for r in ranks):
+        for rank in ranks:
+            try:
+                family = [psutil.Process(rank.pid)]
+                family += family[0].children(recursive=True) if children else []
+                for process in family:
+                    process.send_signal(signal.SIGUSR1)
+                    signalled |= {process.name()} if process.pid != rank.pid else set()
+            except psutil.NoSuchProcess:
+                pass
+        time.sleep(0.3)
+    return signalled
+
+
+def test_a_signal_during_start_up_stops_the_run_after_its_first_step(data, straight):
+    run = data / "runs" / "held"
+    ranks = start_ranks(data, "held", *COMMON)
+    _signal_during_start_up(ranks, run, children=False)
+    outputs = [r.communicate(timeout=240) for r in ranks]
+    assert [r.returncode for r in ranks] == [errors.REQUEUE, errors.REQUEUE], outputs[0][1][-3000:]
+    assert "stopped at step 1 (signal SIGUSR1)" in outputs[0][1]
+    assert (run / "latest").read_text() == "step_00000001"
+    train(data, "held", *COMMON)
+    assert losses(run) == losses(straight)
+    assert_same_weights(weights(str(run)), weights(str(straight)))
+
+
+def test_a_signal_that_kills_a_start_up_child_still_ends_in_a_requeue(data, tmp_path):
+    """With an empty extensions folder, start-up JIT-compiles DeepSpeed's shm op: ninja holds the
+    signal it inherits, but starts its compilers with an empty mask, and they die of it. The ranks
+    exit for requeue (nothing was trained), not with an internal error, naming both causes."""
+    run = data / "runs" / "held_cold"
+    ranks = start_ranks(data, "held_cold", *COMMON, env={"TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions")})
+    signalled = _signal_during_start_up(ranks, run, children=True)
+    outputs = [r.communicate(timeout=240) for r in ranks]
+    assert "ninja" in signalled, signalled  # the compiler really ran and was signalled
+    assert [r.returncode for r in ranks] == [errors.REQUEUE, errors.REQUEUE], outputs[0][1][-3000:]
+    assert "stopped for requeue: signal SIGUSR1 came during start-up, which then failed (RuntimeError: Error " \
+           "building extension 'deepspeed_shm_comm'" in outputs[0][1]
+    assert not (run / "latest").exists() and not (run / "lease.json").exists()
+
+
+def _blocked_signals(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(status.split("SigBlk:")[1].split()[0], 16)
 
 
 def test_a_second_job_is_refused_and_sigterm_stops_the_first(data):

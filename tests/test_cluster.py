@@ -12,7 +12,9 @@ import pytest
 
 from conftest import EXTENSIONS, REPO, SECRET, assert_same_weights, losses, train, vitforge, weights
 from vitforge.cluster import load_spec, render
-from vitforge.cluster.spec import SPECS
+from vitforge.cluster import slurm as slurm_commands
+from vitforge.cluster.slurm import parse_partitions
+from vitforge.cluster.spec import SPECS, check_against
 from vitforge.core import errors
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
@@ -49,6 +51,35 @@ def test_spec_errors_name_the_key_and_secrets_never_reach_a_script(tmp_path):
     assert SECRET not in script
 
 
+def test_memory_and_gpu_type_requests():
+    spec = load_spec("vit_h14_pretrain_1node", ["mem_per_node=null", "mem_per_gpu=110G", "gpu_type=h100"])
+    script = render(spec)
+    assert "#SBATCH --mem-per-gpu=110G" in script and "#SBATCH --gpus-per-node=h100:8" in script
+    assert "--mem=" not in script
+    assert "#SBATCH --mem-per-cpu=8G" in render(load_spec("tiny_cpu", ["mem_per_cpu=8G"]))
+    both = vitforge("submit", "vit_h14_pretrain_1node", "--set", "mem_per_cpu=8G", "--dry-run", check=False)
+    assert both.returncode == errors.USAGE and "mem_per_node and mem_per_cpu: give at most one" in both.stderr
+    size = vitforge("submit", "tiny_cpu", "--set", "mem_per_cpu=lots", "--dry-run", check=False)
+    assert size.returncode == errors.USAGE and "mem_per_cpu: 'lots': expected a SLURM size" in size.stderr
+    cpu = vitforge("submit", "tiny_cpu", "--set", "gpu_type=h100", "--dry-run", check=False)
+    assert cpu.returncode == errors.USAGE and "gpu_type: the spec requests no GPUs" in cpu.stderr
+
+
+def test_partition_limits_from_sinfo_lines():
+    """sinfo prints a line per distinct node configuration; the most GPUs any node has counts."""
+    sinfo = "\n".join(["gpu*|2-00:00:00|gpu:h100:8(S:0-1)", "gpu*|2-00:00:00|gpu:a100:4,gpu:h100:4(S:0)",
+                       "cpu|infinite|(null)", "old|30:00|gpu:8", "old|30:00|gpu:2,nvme:1"])
+    assert parse_partitions(sinfo, None) == {"name": "gpu", "gpus_per_node": {"h100": 8, "a100": 4, None: 8},
+                                            "max_time_s": 172800}
+    assert parse_partitions(sinfo, "cpu") == {"name": "cpu", "gpus_per_node": {}, "max_time_s": None}
+    assert parse_partitions(sinfo, "old") == {"name": "old", "gpus_per_node": {None: 8}, "max_time_s": 1800}
+    assert parse_partitions(sinfo, "nowhere") is None
+    limits = parse_partitions(sinfo, "gpu")
+    check_against(load_spec("vit_h14_pretrain_1node", ["gpu_type=h100"]), limits)
+    with pytest.raises(Exception, match="offers at most 4 a100 GPUs per node"):
+        check_against(load_spec("vit_h14_pretrain_1node", ["gpu_type=a100"]), limits)
+
+
 def test_time_limit_forms():
     spec = load_spec("tiny_cpu")
     for text, seconds in (("30", 1800), ("10:30", 630), ("04:00:00", 14400), ("2-00:00:00", 172800),
@@ -63,12 +94,12 @@ def test_time_limit_forms():
 
 
 def _submit(data, tmp_path, run: str, *spec_overrides: str, steps: int = 24, store: str | None = None,
-            env: dict | None = None) -> str:
+            env: dict | None = None, extra: str = "") -> str:
     where = f"checkpoint.dir={store}, checkpoint.log_dir={tmp_path / 'metrics'}" if store else \
         f"checkpoint.dir={data / 'runs'}"
     overrides = (f"[data.backend=torch, data.workers=0, data.train={data / 'train'}, data.val=null, {where}, "
                  f"checkpoint.run={run}, train.steps={steps}, train.log_every=1, train.checkpoint_every=50, "
-                 "checkpoint.keep_last=10]")
+                 f"checkpoint.keep_last=10{extra}]")
     result = vitforge("submit", "tiny_cpu", "--set", f"venv={REPO / '.venv'}", "--set", f"log_dir={tmp_path}",
                       "--set", f"name={run}", "--set", f"train.overrides={overrides}", *spec_overrides,
                       env={**EXTENSIONS, "AWS_SECRET_ACCESS_KEY": SECRET, **(env or {})})
@@ -124,6 +155,34 @@ def test_preempted_slurm_job_requeues_itself_twice_and_ends_like_an_uninterrupte
     assert SECRET not in text and SECRET not in (tmp_path / "slurm_rq.sbatch").read_text()
     assert losses(tmp_path / "metrics") == losses(data / "runs" / "slurm_straight")
     assert_same_weights(weights(f"{store}/slurm_rq"), weights(str(data / "runs" / "slurm_straight")))
+
+
+def test_a_run_longer_than_its_time_limit_completes_across_requeues(data, slurm, s3_server, bucket, monkeypatch,
+                                                                    tmp_path):
+    """A 2-minute limit with the pre-limit signal 60 s ahead, for a run that needs several
+    allocations: each one stops on SLURM's SIGUSR1 (sent 30-60 s into the job: slurmctld checks
+    limits every 30 s) or on the trainer's budget (limit - lead), saves to S3 and requeues itself;
+    no allocation reaches the limit (TIMEOUT), and the run ends equal to an uninterrupted one."""
+    for key, value in {**slurm, **s3_server["env"]}.items():
+        monkeypatch.setenv(key, value)
+    # 128 px makes a step ~0.08-0.14 s here: 800 steps need more than one allocation can hold.
+    slow = ("train.steps=800", "model.image_size=128", "train.log_every=1", "train.checkpoint_every=100",
+            "data.val=null", "checkpoint.keep_last=10")
+    train(data, "slurm_limit_straight", *slow)
+    store = f"s3://{bucket}/runs"
+    job = _submit(data, tmp_path, "slurm_tl", "--set", "time=00:02:00", "--set", "signal_lead_s=60",
+                  "--set", "max_requeues=10", steps=800, store=store,
+                  extra=", model.image_size=128, train.checkpoint_every=100",
+                  env={**s3_server["env"], "AWS_SECRET_ACCESS_KEY": SECRET})
+    final = _wait(job, timeout=900)
+    text = vitforge("logs", job).stdout
+    assert final["state"] == "COMPLETED" and final["restarts"] >= 1, (final, text[-3000:])
+    stops = re.findall(r"stopped at step \d+ \((signal SIGUSR1|train.max_minutes reached)\)", text)
+    assert len(stops) == final["restarts"] and text.count(f"resumed {store}/slurm_tl") == final["restarts"], \
+        text[-3000:]
+    assert "DUE TO TIME LIMIT" not in text  # no allocation ran into its limit
+    assert losses(tmp_path / "metrics") == losses(data / "runs" / "slurm_limit_straight")
+    assert_same_weights(weights(f"{store}/slurm_tl"), weights(str(data / "runs" / "slurm_limit_straight")))
 
 
 def test_the_requeue_limit_is_honoured(data, slurm, monkeypatch, tmp_path):
@@ -183,7 +242,16 @@ def test_impossible_requests_are_refused_before_submitting(slurm, monkeypatch, t
         monkeypatch.setenv(key, value)
     common = ["--set", f"log_dir={tmp_path}"]
     gpus = vitforge("submit", "tiny_cpu", "--set", "gpus_per_node=8", *common, check=False)
-    assert gpus.returncode == errors.USAGE and "partition debug offers at most 0 GPUs per node" in gpus.stderr
+    assert gpus.returncode == errors.USAGE and "partition debug offers at most 2 GPUs per node" in gpus.stderr
+    typed = vitforge("submit", "tiny_cpu", "--set", "gpus_per_node=2", "--set", "gpu_type=h100", *common, check=False)
+    assert typed.returncode == errors.USAGE and "gpu_type 'h100': partition debug offers testgpu" in typed.stderr
+    more = vitforge("submit", "tiny_cpu", "--set", "gpus_per_node=4", "--set", "gpu_type=testgpu", *common,
+                    check=False)
+    assert more.returncode == errors.USAGE and "offers at most 2 testgpu GPUs per node" in more.stderr
+    # What sinfo reports of the test node's (fake, typed) GPUs is read right and passes a fitting request.
+    limits = slurm_commands.partition_limits(None)
+    assert limits == {"name": "debug", "gpus_per_node": {"testgpu": 2, None: 2}, "max_time_s": None}
+    check_against(load_spec("tiny_cpu", ["gpus_per_node=2", "gpu_type=testgpu"]), limits)
     long = vitforge("submit", "tiny_cpu", "--set", "partition=short", "--set", "time=01:00:00", *common, check=False)
     assert long.returncode == errors.USAGE and "over partition short's limit of 10 minutes" in long.stderr
     missing = vitforge("submit", "tiny_cpu", "--set", "partition=nowhere", *common, check=False)

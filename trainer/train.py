@@ -288,22 +288,27 @@ def run(cfg: Config) -> dict:
     check_model_name(cfg.model.name)
     env = detect_env()
     cfg.accumulation(env.world_size)  # batch arithmetic checked before anything is built
-    # Before anything slow, so a preemption signal during start-up (DeepSpeed, data, downloads)
-    # stops the run cleanly at its first step instead of killing it.
+    # Handlers in place before anything slow; the CLI holds the signals until start-up is over
+    # (stop.listen), so one that comes meanwhile stops the run after its first step.
     stop = StopRequest(cfg.train.max_minutes)
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: die with the agent, never orphaned
         die_with_parent(os.getppid())
-    device = init_distributed(env)
     checkpointer = None
     ok = False
     try:
-        trainer, checkpointer = _build(cfg, env, device, stop)
+        try:
+            device = init_distributed(env)
+            trainer, checkpointer = _build(cfg, env, device, stop)
+        except Exception as e:
+            _requeue_if_signalled(stop, e)
+            raise
+        stop.listen()
         result = trainer.train()
         checkpointer.wait()
         ok = True
         return result
     except Requeue:
-        ok = True  # every rank agreed to stop and the checkpoint is complete: leave together
+        ok = checkpointer is not None  # every rank agreed to stop and the checkpoint is complete: leave together
         raise
     finally:
         if checkpointer is not None:
@@ -313,6 +318,18 @@ def run(cfg: Config) -> dict:
                 log.warning("could not release the run's lease: %s", e)
         shutdown(graceful=ok)
         stop.restore()
+
+
+def _requeue_if_signalled(stop: StopRequest, error: Exception) -> None:
+    """A stop signal held during start-up also reached this rank's children, and a child that
+    does not hold it dies of it (ninja's compilers, JIT-building a DeepSpeed op): start-up then
+    fails. Nothing was trained since the last checkpoint, so the run is as resumable as if it had
+    stopped at a step. A vitforge error (config, storage, checkpoint) is real and stays one."""
+    held = stop.held()
+    if held is not None and not isinstance(error, VitforgeError):
+        raise Requeue(f"{held} came during start-up, which then failed ({type(error).__name__}: "
+                      f"{str(error).splitlines()[0] if str(error) else ''}); nothing was trained since the last "
+                      "checkpoint") from error
 
 
 def _build(cfg: Config, env, device, stop: StopRequest) -> tuple[Trainer, Checkpointer]:

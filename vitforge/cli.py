@@ -8,6 +8,7 @@ traceback; only a bug prints a traceback (code 70).
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import traceback
 
@@ -47,6 +48,11 @@ def _dispatch(command: str, rest: list[str]) -> int:
 
         return loader_bench_main(rest)
     if command in ("train", "eval"):
+        if command == "train":
+            # SLURM signals every process of a job step. Held from here, a stop signal that comes
+            # during imports and start-up neither kills this process nor a child it starts (the
+            # mask is inherited: DeepSpeed's JIT compiler): the trainer takes it when it can save.
+            signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGUSR1, signal.SIGTERM))
         from vitforge.trainer.cli import main as trainer_main
 
         return trainer_main(rest, evaluate=command == "eval")
