@@ -3,7 +3,8 @@
 # network. At most 8 minutes. Prints every figure; with VITFORGE_GPU_OUT set, also writes them there.
 # Small wheels it needs come from benchmarks/wheels/ (git-ignored; `make gpu-wheels` fills it).
 # Sections are added by the issues that have a GPU goal:
-#   loader (issue 3): GPU JPEG decode feeding 224 px batches (torchvision nvJPEG as the DALI stand-in)
+#   loader (issues 3, 9): GPU JPEG decode feeding 224 px batches (torchvision nvJPEG as the DALI stand-in);
+#     the data wait of a consumer 1.5x slower than our torch backend on the GPU (issue 9)
 #   trainer (issue 4): ViT-H/14 bf16 ZeRO-2 on one GPU, largest micro-batch: images/s, MFU, peak memory
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -17,7 +18,7 @@ python -c "import torch, torchvision; print('torch', torch.__version__, 'torchvi
 
 echo "== wheels"
 if [ -d benchmarks/wheels ]; then
-    python -m pip install --quiet --no-index --find-links benchmarks/wheels simplejpeg fsspec braceexpand \
+    python -m pip install --quiet --no-index --find-links benchmarks/wheels simplejpeg fsspec braceexpand psutil \
         webdataset pyyaml pydantic 2>&1 | tail -3
     # DeepSpeed ships as an sdist only: a pure-Python build against the machine's torch.
     python -c "import deepspeed" 2>/dev/null || python -m pip install --quiet --no-index --no-build-isolation \

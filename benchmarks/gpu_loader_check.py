@@ -51,6 +51,27 @@ def gpu_batches(spec: LoaderSpec, index, device: torch.device, steps: int):
         yield images, torch.from_numpy(raw.labels).to(device, non_blocking=True)
 
 
+def consumer_wait(spec: LoaderSpec, device: str, batches: int = 40) -> dict:
+    """Our loader on this machine with a consumer that sleeps (the step) 1.5x the loader's own
+    time per batch: the fraction of the consumer's time spent waiting for data after batch 5."""
+    from vitforge.pipeline import build_loader
+    from vitforge.pipeline.cli import measure
+
+    step_s = 1.5 * spec.batch_size / measure(spec, 20, 5, device)["images_per_s"]
+    loader = build_loader(spec, device=device)
+    stream = (batch for _ in range(batches) for batch in loader)
+    for done in range(batches):
+        if done == 5:
+            loader.window()
+        batch = next(stream)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        del batch
+        time.sleep(step_s)
+    return {"wait_fraction": loader.window()["data_wait_fraction"], "step_ms": 1000 * step_s,
+            "workers": spec.workers}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
@@ -78,6 +99,8 @@ def main() -> int:
         if device.type == "cuda":
             torch.cuda.synchronize()
         elapsed, cpu = time.perf_counter() - start, cpu_seconds() - cpu
+        overlap = consumer_wait(LoaderSpec(os.path.join(tmp, "shards"), batch_size=64, image_size=224,
+                                           backend="torch", workers=os.cpu_count() or 1), str(device))
     count = args.steps * args.batch
     figures = {
         "what": "torchvision nvJPEG decode (stand-in for DALI mixed) + crop/resize/flip/normalise on the GPU",
@@ -85,10 +108,14 @@ def main() -> int:
         "images_per_s": count / elapsed, "cpu_ms_per_image": 1000 * cpu / count,
         "batch": args.batch, "steps": args.steps, "image_size": 224,
         "source_images": "generated, about 500x375, 106 KiB JPEG",
+        "overlap": overlap,
     }
     print(f"loader (GPU decode stand-in: torchvision nvJPEG, not DALI) on {figures['device']}: "
           f"{figures['images_per_s']:.0f} images/s, {figures['cpu_ms_per_image']:.2f} CPU-ms per image "
           f"(goal >= 2000 images/s per H200, a few CPU-ms per image at most)")
+    print(f"overlap: vitforge torch backend on {device} ({overlap['workers']} workers, batch 64), consumer at "
+          f"{overlap['step_ms']:.0f} ms per batch (1.5x the loader's own time): data wait "
+          f"{100 * overlap['wait_fraction']:.1f}% (goal <= 5%)")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "loader.json"), "w") as f:

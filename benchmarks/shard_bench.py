@@ -13,7 +13,6 @@ Every command runs as a user runs it (a fresh process, files in the page cache);
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import shutil
 import subprocess

@@ -5,14 +5,24 @@ We feed DALI the encoded bytes ourselves (external source) instead of using its 
 the order, the rank split and the crop windows are then the same as the torch backend's, resume is
 a position rather than a DALI checkpoint, and a corrupt JPEG that slips past the reader's marker
 check is handled here: DALI cannot skip it (NVIDIA/DALI#3913) and its pipeline is left unusable,
-so we find the culprit with a strict CPU decode, replace it, rebuild the pipeline, and rerun the batch.
+so we find the culprit with a strict CPU decode, replace it, rebuild the pipeline, and rerun the
+batches it had in flight.
+
+Overlap (the default on a GPU; `overlap=True` forces it on a CPU device, where the step competes
+for the same cores): DALI's pipelined, asynchronous executor pulls `prefetch` batches ahead from the external
+source and decodes them in its own threads while the training step runs; a reader thread keeps
+the next raw batch (bytes, labels, windows) ready for it, and a delivery thread takes DALI's
+output into a torch tensor one batch ahead. The loader counts only batches it has delivered, so
+what is decoded ahead is never in a saved position.
 """
 
 from __future__ import annotations
 
 import io
 import logging
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -26,18 +36,39 @@ from .spec import LoaderSpec
 log = logging.getLogger("vitforge.pipeline")
 
 
-def _graph(spec: LoaderSpec, device_id: int | None):
+class Feed:
+    """What DALI's external source pulls: the current epoch's raw batches as DALI inputs. DALI
+    asks `prefetch` batches ahead; those asked for and not yet delivered are `in_flight`, in order."""
+
+    def __init__(self):
+        self.raws: Iterator[RawBatch] = iter(())
+        self.in_flight: deque[RawBatch] = deque()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        raw = next(self.raws)  # StopIteration ends DALI's epoch
+        self.in_flight.append(raw)
+        win = raw.windows
+        w, h = raw.widths.astype(np.float64), raw.heights.astype(np.float64)
+        anchor = np.stack([win.x / w, win.y / h], axis=1).astype(np.float32)
+        shape = np.stack([win.w / w, win.h / h], axis=1).astype(np.float32)
+        return ([np.frombuffer(d, np.uint8) for d in raw.images], list(anchor), list(shape),
+                list(win.flip.astype(np.int32)))
+
+
+def _graph(spec: LoaderSpec, device_id: int | None, feed: Feed, overlap: bool):
     from nvidia.dali import fn, pipeline_def, types
 
     mixed = device_id is not None
 
     @pipeline_def(batch_size=spec.batch_size, num_threads=max(spec.workers, 1), device_id=device_id,
-                  prefetch_queue_depth=1, exec_async=False, exec_pipelined=False)
+                  prefetch_queue_depth=spec.prefetch if overlap else 1, exec_async=overlap, exec_pipelined=overlap)
     def graph():
-        jpegs = fn.external_source(name="jpegs", dtype=types.UINT8, ndim=1)
-        anchor = fn.external_source(name="anchor", dtype=types.FLOAT, ndim=1)
-        shape = fn.external_source(name="shape", dtype=types.FLOAT, ndim=1)
-        flip = fn.external_source(name="flip", dtype=types.INT32, ndim=0)
+        jpegs, anchor, shape, flip = fn.external_source(
+            source=feed, num_outputs=4, batch=True, dtype=[types.UINT8, types.FLOAT, types.FLOAT, types.INT32],
+            ndim=[1, 1, 1, 0])
         decoder_args = {"hw_decoder_load": spec.hw_decoder_load} if mixed else {}
         images = fn.decoders.image_slice(jpegs, anchor, shape, device="mixed" if mixed else "cpu",
                                          output_type=types.RGB, adjust_orientation=False, **decoder_args)
@@ -49,6 +80,19 @@ def _graph(spec: LoaderSpec, device_id: int | None):
     pipe = graph()
     pipe.build()
     return pipe
+
+
+def read_ahead(items: Iterator) -> Iterator:
+    """The same items, each produced in one thread while the previous one is consumed; closing
+    this closes `items` too (in the consumer's thread, once the producing thread is idle)."""
+    try:
+        with ThreadPoolExecutor(1, thread_name_prefix="read-ahead") as ahead:
+            pending = ahead.submit(next, items, None)
+            while (item := pending.result()) is not None:
+                pending = ahead.submit(next, items, None)
+                yield item
+    finally:
+        getattr(items, "close", lambda: None)()
 
 
 def strictly_decodes(data: bytes) -> bool:
@@ -64,51 +108,78 @@ class DaliBackend:
         self.spec, self.index, self.device = spec, index, device
         self.device_id = (device.index or 0) if mixed else None
         self.name = "dali-mixed" if self.device_id is not None else "dali-cpu"
-        self.pipe = _graph(spec, self.device_id)
+        # On a CPU device the step and the decoder share the same cores: decoding in line is faster.
+        self.overlap = spec.overlap if spec.overlap is not None else device.type == "cuda"
+        self.feed = Feed()
+        self.pipe = None
 
     def batches(self, epoch: int, rank_slice: RankSlice):
+        decoded = self._decoded(epoch, rank_slice)
+        # With overlap, one thread drives DALI and copies its output out (tens of ms for a CPU batch
+        # of floats) while the consumer's step runs.
+        yield from read_ahead(decoded) if self.overlap else decoded
+
+    def _decoded(self, epoch: int, rank_slice: RankSlice):
         dtype = getattr(torch, self.spec.dtype)
-        source = raw_batches(self.index, self.spec, epoch, rank_slice, range(rank_slice.num_batches))
+        raws = read_ahead(raw_batches(self.index, self.spec, epoch, rank_slice, range(rank_slice.num_batches)))
+        # A fresh pipeline per epoch: one left mid-epoch still holds batches it prefetched.
+        self._start(raws, [])
         try:
-            # One thread reads batch b+1 while DALI decodes batch b.
-            with ThreadPoolExecutor(1, thread_name_prefix="read-ahead") as ahead:
-                pending = ahead.submit(next, source, None)
-                while (raw := pending.result()) is not None:
-                    pending = ahead.submit(next, source, None)
-                    images = self._run(raw).to(dtype)
-                    yield {"image": images, "label": torch.from_numpy(raw.labels).to(self.device), "key": raw.keys,
-                           "bad": raw.bad}
+            while (images := self._next()) is not None:
+                raw = self.feed.in_flight.popleft()
+                yield {"image": images.to(dtype), "label": torch.from_numpy(raw.labels).to(self.device),
+                       "key": raw.keys, "bad": raw.bad}
         finally:
-            source.close()
+            raws.close()
+            self.pipe = None
 
-    def _run(self, raw: RawBatch) -> torch.Tensor:
-        for _ in range(len(raw.images) + 1):
+    def _start(self, rest: Iterator[RawBatch], first: list[RawBatch]) -> None:
+        """A new pipeline that runs `first`, then `rest`; DALI prefetches from it at once."""
+        self.feed.raws, self.feed.in_flight = _chain(first, rest), deque()
+        self.pipe = _graph(self.spec, self.device_id, self.feed, self.overlap)
+        self.pipe.schedule_run()
+
+    def _next(self) -> torch.Tensor | None:
+        """The next batch's images, or None at the end of the epoch."""
+        for _ in range(sum(len(raw.images) for raw in self.feed.in_flight) + self.spec.prefetch + 1):
             try:
-                return self._feed_and_run(raw)
+                (images,) = self.pipe.outputs()
+                break
+            except StopIteration:
+                return None
             except RuntimeError as e:
-                culprits = [i for i, data in enumerate(raw.images) if not strictly_decodes(data)]
-                if not culprits:
-                    raise
-                for i in culprits:
-                    raw.replace(i, f"DALI could not decode it: {str(e).splitlines()[0][:200]}")
-                log.warning("rebuilding the DALI pipeline after a decode failure")
-                self.pipe = _graph(self.spec, self.device_id)
-        raise RuntimeError("DALI kept failing on a batch after every bad sample was replaced")
+                self._recover(e)
+        else:
+            raise RuntimeError("DALI kept failing on a batch after every bad sample was replaced")
+        out = self._to_torch(images)  # before the next run: without overlap it reuses this buffer
+        self.pipe.schedule_run()
+        return out
 
-    def _feed_and_run(self, raw: RawBatch) -> torch.Tensor:
+    def _recover(self, error: RuntimeError) -> None:
+        """Replace every sample of the in-flight batches that does not decode, then rerun them on a
+        new pipeline, ahead of the rest of the epoch."""
+        in_flight = list(self.feed.in_flight)
+        culprits = [(raw, i) for raw in in_flight for i, data in enumerate(raw.images) if not strictly_decodes(data)]
+        if not culprits:
+            raise error
+        for raw, i in culprits:
+            raw.replace(i, f"DALI could not decode it: {str(error).splitlines()[0][:200]}")
+        log.warning("rebuilding the DALI pipeline after a decode failure")
+        self._start(self.feed.raws, in_flight)
+
+    def _to_torch(self, images) -> torch.Tensor:
+        dense = images.as_tensor()
+        if self.device_id is None:
+            # A view of DALI's buffer (reused after the next outputs()), copied by torch, which
+            # releases the GIL: DALI's own copy holds it, stalling the consumer for a CPU batch.
+            return torch.from_numpy(np.asarray(dense)).clone()
         from nvidia.dali.plugin.pytorch import feed_ndarray
 
-        win = raw.windows
-        w, h = raw.widths.astype(np.float64), raw.heights.astype(np.float64)
-        anchor = np.stack([win.x / w, win.y / h], axis=1).astype(np.float32)
-        shape = np.stack([win.w / w, win.h / h], axis=1).astype(np.float32)
-        self.pipe.feed_input("jpegs", [np.frombuffer(d, np.uint8) for d in raw.images])
-        self.pipe.feed_input("anchor", list(anchor))
-        self.pipe.feed_input("shape", list(shape))
-        self.pipe.feed_input("flip", list(win.flip.astype(np.int32)))
-        (images,) = self.pipe.run()
-        dense = images.as_tensor()
-        on_gpu = self.device_id is not None
-        out = torch.empty(dense.shape(), dtype=torch.float32, device=self.device if on_gpu else "cpu")
-        feed_ndarray(dense, out, cuda_stream=torch.cuda.current_stream(self.device) if on_gpu else None)
-        return out.to(self.device, non_blocking=True)
+        out = torch.empty(dense.shape(), dtype=torch.float32, device=self.device)
+        feed_ndarray(dense, out, cuda_stream=torch.cuda.current_stream(self.device))
+        return out
+
+
+def _chain(first: list[RawBatch], rest: Iterator[RawBatch]) -> Iterator[RawBatch]:
+    yield from first
+    yield from rest

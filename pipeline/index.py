@@ -47,6 +47,13 @@ class DatasetIndex:
     def __len__(self) -> int:
         return len(self.keys)
 
+    def select(self, ids: np.ndarray) -> "DatasetIndex":
+        """The index of these samples only (ascending ids); shards and class map unchanged."""
+        columns = {k: getattr(self, k)[ids] for k in ("shard", "start", "length", "image_at", "image_len",
+                                                       "label_at", "label_len")}
+        return DatasetIndex(self.shard_urls, keys=[self.keys[i] for i in ids], num_classes=self.num_classes,
+                            classes=self.classes, max_pixels=self.max_pixels, **columns)
+
 
 def load_index(dataset: str) -> DatasetIndex:
     """`dataset`: a folder or s3:// prefix with dataset.json, or tar paths (a glob or

@@ -1,9 +1,10 @@
 """`build_loader`: the one entry point the trainer uses, whatever the backend.
 
 A Loader yields one epoch per `iter()`, as dicts {"image": N,3,S,S on the device, "label": int64
-(-1 = ignore), "key": "SHARD.tar:KEY" per sample, "bad": keys replaced}. Its state is (epoch, consumed): how many positions of the
-epoch's global order all ranks together have taken. That is the same number on every rank, so
-any rank's state restores all of them, at the same or another world size or batch size.
+(-1 = ignore), "key": "SHARD.tar:KEY" per sample, "bad": keys replaced}. Its state is
+(epoch, consumed): how many positions of the epoch's global order all ranks together have taken.
+That is the same number on every rank, so any rank's state restores all of them, at the same or
+another world size or batch size.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import torch
 
 from vitforge.core import CheckpointError
 
-from .index import DatasetIndex, load_index
-from .order import RankSlice
+from .index import DatasetError, DatasetIndex, load_index
+from .order import RankSlice, subset_ids
 from .spec import LoaderSpec
 
 log = logging.getLogger("vitforge.pipeline")
@@ -64,6 +65,7 @@ class Loader:
         self.wait_seconds = 0.0
         self.started: float | None = None
         self.bad_keys: list[str] = []
+        self._window = (None, 0, 0.0)  # (start, images, wait seconds) when the current window began
 
     def __len__(self) -> int:
         """Batches left in the current epoch (the same on every rank)."""
@@ -112,7 +114,19 @@ class Loader:
                      state["consumed"])
         self.epoch, self.consumed = state["epoch"], state["consumed"]
 
+    def window(self) -> dict:
+        """This rank's images/s and data-wait fraction since the previous call (the first: since the
+        first batch was asked for), so a stall shows in the window where it happens."""
+        now = time.perf_counter()
+        start, images, wait = self._window
+        start = start or self.started or now
+        elapsed = now - start
+        self._window = (now, self.images, self.wait_seconds)
+        return {"images_per_s": (self.images - images) / elapsed if elapsed else 0.0,
+                "data_wait_fraction": (self.wait_seconds - wait) / elapsed if elapsed else 0.0}
+
     def stats(self) -> dict:
+        """Running totals since the first batch was asked for."""
         elapsed = time.perf_counter() - self.started if self.started else 0.0
         return {"backend": self.backend.name, "images": self.images,
                 "images_per_s": self.images / elapsed if elapsed else 0.0,
@@ -134,6 +148,12 @@ def build_loader(spec: LoaderSpec, rank: int = 0, world_size: int = 1,
         backend = SyntheticBackend(spec, synthetic_classes, device)
         return Loader(spec, None, backend, rank, world_size, synthetic_samples, accumulation)
     index = load_index(spec.dataset)
+    if spec.subset is not None:
+        try:
+            index = index.select(subset_ids(len(index), spec.subset, spec.seed))
+        except ValueError as e:
+            raise DatasetError(f"{spec.dataset}: {e}") from None
+        log.info("subset %r of %s: %d samples", spec.subset, spec.dataset, len(index))
     if name in ("dali", "dali-cpu"):
         from .dali_backend import DaliBackend
 

@@ -47,6 +47,18 @@ def epoch_order(shard_of_sample: np.ndarray, seed: int, epoch: int, window: int)
     return order
 
 
+def subset_ids(num_samples: int, size: float | int, seed: int) -> np.ndarray:
+    """The samples of a deterministic subset, ascending: a fraction (float, 0 < size <= 1) or a
+    count (int) of the first samples of one fixed ranking of all of them per seed. Every smaller
+    subset is therefore inside every larger one (10% within 30%), as a data-scale study needs."""
+    count = round(size * num_samples) if isinstance(size, float) else size
+    if not 1 <= count <= num_samples:
+        raise ValueError(f"subset {size!r} selects {count} of {num_samples} samples; give a fraction in (0, 1] "
+                         f"or a count from 1 to {num_samples}")
+    ranking = np.argsort(mix(seed, 4, np.arange(num_samples, dtype=np.uint64)), kind="stable")
+    return np.sort(ranking[:count])
+
+
 @dataclass(frozen=True)
 class RankSlice:
     """The batches one rank draws from an epoch that started `consumed` positions in."""

@@ -32,7 +32,13 @@ class LoaderSpec:
     shuffle_window: int = 16384  # samples mixed across shards beyond the shard-level shuffle
     workers: int = 2  # decode processes (torch) or CPU threads (DALI)
     hw_decoder_load: float = 0.65  # DALI mixed decode: share of JPEGs sent to the A100/H100 hardware decoder
-    prefetch: int = 2  # batches read ahead
+    prefetch: int = 2  # batches decoded ahead of the consumer (DALI's queue; torch: per worker)
+    # DALI decodes ahead of the consumer in its own threads: None = when the device is a GPU (on a
+    # CPU device the step needs the same cores). The torch backend overlaps through its workers.
+    overlap: bool | None = None
+    # A deterministic subset of the dataset (train only): a fraction (0.1) or a sample count (5000);
+    # smaller subsets are inside larger ones for the same seed. None: every sample.
+    subset: float | int | None = None
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -49,5 +55,10 @@ class LoaderSpec:
             raise UsageError(f"scale must satisfy 0 < min <= max <= 1, not {self.scale}")
         if not 0 < self.ratio[0] <= self.ratio[1]:
             raise UsageError(f"ratio must satisfy 0 < min <= max, not {self.ratio}")
+        if self.prefetch < 1:
+            raise UsageError(f"prefetch must be >= 1, not {self.prefetch}")
+        if self.subset is not None and not (0 < self.subset <= 1 if isinstance(self.subset, float)
+                                            else self.subset >= 1):
+            raise UsageError(f"subset must be a fraction in (0, 1] or a sample count >= 1, not {self.subset!r}")
         if not 0 < self.eval_crop_fraction <= 1:
             raise UsageError(f"eval_crop_fraction must be in (0, 1], not {self.eval_crop_fraction}")

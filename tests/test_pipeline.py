@@ -156,7 +156,7 @@ def test_same_seed_same_order_other_seed_other_order(dataset):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_resume_mid_epoch_is_exact(dataset, backend):
+def test_resume_mid_epoch_is_exact(dataset, backend):  # DALI in line here (CPU default); overlapped below
     uninterrupted = build_loader(spec(dataset, backend=backend))
     full = run_epoch(uninterrupted) + run_epoch(uninterrupted)
     interrupted = build_loader(spec(dataset, backend=backend))
@@ -224,11 +224,13 @@ def foreign(tmp_path_factory):
     return folder, bad
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_corrupt_samples_in_foreign_shards_do_not_end_training(foreign, backend):
+@pytest.mark.parametrize("backend, overlap", [("torch", None), ("dali-cpu", False), ("dali-cpu", True)])
+def test_corrupt_samples_in_foreign_shards_do_not_end_training(foreign, backend, overlap):
+    """With overlap, DALI holds several batches when one fails: all of them are checked and rerun."""
     folder, bad = foreign
     loader = build_loader(LoaderSpec(str(folder / "foreign-{0..1}.tar"), batch_size=8, image_size=32,
-                                     backend=backend, workers=0 if backend == "torch" else 1))
+                                     backend=backend, workers=0 if backend == "torch" else 1, overlap=overlap,
+                                     prefetch=3))
     labels = Counter()
     keys = []
     for batch in loader:
@@ -322,3 +324,93 @@ def test_accumulation_ends_epochs_on_whole_optimizer_steps(dataset):
     single = [b["key"] for b in one]
     paired = [b["key"] for pair in zip(*two) for b in pair]
     assert len(single) % 2 == 0 and single == paired
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decoding_overlaps_a_slow_step(dataset, backend):
+    """A consumer that spends 80 ms per batch (the step) hardly waits for data: the next batches
+    are decoded meanwhile (DALI's async executor; the torch backend's worker)."""
+    import time
+
+    loader = build_loader(spec(dataset, backend=backend, workers=1, prefetch=2, overlap=True))
+    batches = iter(loader)
+    for _ in range(2):  # start-up: the first batches cannot be ahead of anything
+        next(batches)
+        time.sleep(0.08)
+    loader.window()
+    for batch in batches:
+        time.sleep(0.08)
+    window = loader.window()
+    assert window["data_wait_fraction"] < 0.05, window
+    assert 0 < loader.stats()["data_wait_fraction"]  # the running value still has the start-up in it
+
+
+def test_a_stall_shows_in_the_window_where_it_happens(dataset):
+    import time
+
+    loader = build_loader(spec(dataset, backend="torch"))
+    batches = iter(loader)
+    for _ in range(5):
+        next(batches)
+        time.sleep(0.02)
+    quick = loader.window()
+    real = loader.backend.batches
+
+    def slow(*args):  # a loader that turns slow mid-run (a throttled store, say)
+        for batch in real(*args):
+            time.sleep(0.05)
+            yield batch
+
+    loader.backend.batches = slow
+    for _, _ in zip(range(5), iter(loader)):
+        time.sleep(0.02)
+    stalled = loader.window()
+    assert quick["data_wait_fraction"] < 0.3 < 0.6 < stalled["data_wait_fraction"], (quick, stalled)
+    assert quick["data_wait_fraction"] < loader.stats()["data_wait_fraction"] < stalled["data_wait_fraction"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_resume_right_after_a_deep_prefetch_is_exact_at_two_ranks_and_at_three(dataset, backend):
+    """Saved while 4 batches per rank are decoded ahead: the position is what was delivered."""
+    def loaders(world, state=None):
+        out = [build_loader(spec(dataset, backend=backend, prefetch=4, workers=1, overlap=True), rank, world)
+               for rank in range(world)]
+        for loader in out:
+            if state:
+                loader.load_state_dict(state)
+        return out
+
+    full = {k for loader in loaders(2) for b in loader for k in b["key"]}
+    two = loaders(2)
+    iterators = [iter(loader) for loader in two]
+    head = [next(it) for _ in range(3) for it in iterators]
+    head_keys = [k for b in head for k in b["key"]]
+    state = two[0].state_dict()
+    assert state["consumed"] == 48 and state == two[1].state_dict()  # 72 left: whole steps at 2 and 3 ranks
+    same = [[(b["key"], b["image"]) for b in loader] for loader in loaders(2, state)]
+    for rank, it in enumerate(iterators):  # what the interrupted ranks would have delivered next
+        expected = [(b["key"], b["image"]) for b in it]
+        assert [k for k, _ in same[rank]] == [k for k, _ in expected]
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(same[rank], expected))
+    other = [k for loader in loaders(3, state) for b in loader for k in b["key"]]
+    assert set(head_keys).isdisjoint(other) and set(head_keys) | set(other) == full
+
+
+def test_subsets_are_nested_deterministic_and_sized(dataset):
+    from vitforge.pipeline.order import subset_ids
+
+    small, large = subset_ids(1000, 0.1, 3), subset_ids(1000, 0.3, 3)
+    assert len(small) == 100 and len(large) == 300 and set(small) <= set(large)
+    assert np.array_equal(small, subset_ids(1000, 0.1, 3)) and not np.array_equal(small, subset_ids(1000, 0.1, 4))
+    assert np.array_equal(subset_ids(1000, 100, 3), small) and len(subset_ids(1000, 1.0, 3)) == 1000
+    assert set(subset_ids(1000, 7, 3)) <= set(small)
+    for bad in (1001, 0.0004):
+        with pytest.raises(ValueError, match="give a fraction in"):
+            subset_ids(1000, bad, 3)
+    keys = {f: {k for b in build_loader(spec(dataset, backend="torch", subset=f)) for k in b["key"]}
+            for f in (0.25, 0.5)}
+    assert len(keys[0.25]) == 30 and len(keys[0.5]) == 60 and keys[0.25] < keys[0.5]
+    with pytest.raises(Exception, match="subset 500 selects 500 of 120 samples"):
+        build_loader(spec(dataset, backend="torch", subset=500))
+    with pytest.raises(Exception, match="subset must be a fraction"):
+        spec(dataset, backend="torch", subset=1.5)

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from conftest import EXTENSIONS, train, vitforge
+from conftest import EXTENSIONS, train, train_args, vitforge
 from vitforge.trainer import PAPER_PARAMETERS, adapt_state_dict, build_model, forward_flops, load_config, parameter_count
 
 def metrics(data, run: str) -> list[dict]:
@@ -73,6 +73,15 @@ def test_zero_stages_learn(data, stage):
     assert last < 0.5 * first, (first, last)
     final = metrics(data, f"zero{stage}")[-1]
     assert final["eval_samples"] == 100 and final["eval_top1"] > 0.5  # chance is 0.1
+    if stage == 2:  # the window's and the running data wait and images/s, in metrics.jsonl and TensorBoard
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        logged = metrics(data, "zero2")[5]
+        assert 0 <= logged["data_wait_fraction"] <= 1 and 0 <= logged["data_wait_fraction_running"] <= 1
+        assert logged["images_per_s"] > 0 and logged["images_per_s_running"] > 0
+        events = EventAccumulator(str(data / "runs" / "zero2" / "tensorboard")).Reload()
+        assert {"data_wait_fraction", "data_wait_fraction_running", "images_per_s_running"} <= \
+            set(events.Tags()["scalars"])
 
 
 def test_stages_agree_and_match_plain_pytorch(data):
@@ -230,3 +239,12 @@ def test_resume_at_another_world_size(data, stage):
     assert all(abs(moved[s] - straight[s]) < 1e-3 for s in moved), (straight, moved)
     a, b = final_weights(data, f"ws{stage}_straight"), final_weights(data, f"ws{stage}_moved")
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-3
+
+
+def test_a_subset_trains_on_part_of_the_data_and_evaluates_on_all_of_it(data):
+    result = train(data, "subset", "data.subset=0.25", "train.steps=2", "train.eval_every=2", "train.log_every=1")
+    assert "subset 0.25 of" in result.stderr and ": 100 samples" in result.stderr  # 25% of 400
+    assert metrics(data, "subset")[-1]["eval_samples"] == 100  # the whole val set
+    bad = vitforge("train", *train_args(data, "subset_bad", "data.subset=5000", "train.steps=2"), env=EXTENSIONS,
+                   check=False)
+    assert bad.returncode == 2 and "subset 5000 selects 5000 of 400 samples" in bad.stderr

@@ -37,7 +37,13 @@ class DataConfig(Strict):
     train: str  # dataset folder or s3:// prefix (dataset.json), or "synthetic"
     val: str | None = None
     backend: Literal["auto", "dali", "dali-cpu", "torch", "synthetic"] = "auto"
-    workers: int = Field(4, ge=0)
+    workers: int = Field(4, ge=0)  # decode processes (torch) or threads (DALI) per rank
+    prefetch: int = Field(2, ge=1)  # batches decoded ahead of the step (DALI's queue, torch's per worker)
+    # DALI decodes ahead in its own threads: auto = on a GPU (on a CPU the step needs the same cores)
+    overlap: Literal["auto", "on", "off"] = "auto"
+    # Train on a deterministic subset: a fraction (0.1, with a decimal point) or a sample count (5000);
+    # for one seed the smaller subsets are inside the larger ones. Eval always sees all of data.val.
+    subset: float | int | None = Field(None, gt=0)
     seed: int = 0
 
 

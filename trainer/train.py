@@ -91,7 +91,9 @@ def _seed_everything(seed: int) -> None:
 def build_data_loader(cfg: Config, source: str, train: bool, env, device):
     spec = LoaderSpec(source, batch_size=cfg.train.micro_batch, image_size=cfg.model.image_size, train=train,
                       backend="synthetic" if source == "synthetic" else cfg.data.backend, seed=cfg.data.seed,
-                      workers=cfg.data.workers, dtype="bfloat16" if cfg.train.precision == "bf16" else "float32")
+                      workers=cfg.data.workers, prefetch=cfg.data.prefetch, subset=cfg.data.subset if train else None,
+                      overlap={"auto": None, "on": True, "off": False}[cfg.data.overlap],
+                      dtype="bfloat16" if cfg.train.precision == "bf16" else "float32")
     return build_loader(spec, env.rank, env.world_size, device, synthetic_classes=cfg.model.num_classes or 1000,
                         accumulation=cfg.accumulation(env.world_size) if train else 1)
 
@@ -138,6 +140,7 @@ class Trainer:
         self.step_loss = torch.zeros((), device=device)  # summed over the step's micro-batches
         self.flags = torch.zeros(3, device=device)  # what ranks agree on after each step
         self.last: dict = {}
+        self.run_start = (time.perf_counter(), 0)
 
     # -- state -------------------------------------------------------------------------------
     def state_dict(self) -> tuple[dict, dict]:
@@ -153,6 +156,8 @@ class Trainer:
 
     # -- the loop ----------------------------------------------------------------------------
     def train(self) -> dict:
+        self.run_start = (time.perf_counter(), self.state.step)  # for the running images/s
+        self.window = Window(torch.zeros((), device=self.device))
         while self.state.step < self.end:
             for batch in self.train_loader:
                 if self.train_step(batch) and self.after_step():
@@ -252,16 +257,24 @@ class Trainer:
         window, step = self.window, self.state.step
         loss = torch.tensor([window.loss.item(), window.micro], dtype=torch.float64)
         dist.all_reduce(loss)
-        elapsed = time.perf_counter() - window.start
-        images_per_s = window.steps * self.cfg.train.global_batch / elapsed
+        now = time.perf_counter()
+        images_per_s = window.steps * self.cfg.train.global_batch / (now - window.start)
+        running = self.state.step - self.run_start[1]
+        images_per_s_running = running * self.cfg.train.global_batch / (now - self.run_start[0])
         world = self.env.world_size
         stats = self.train_loader.stats()
+        # The slowest rank's wait is the job's: the others wait for it in the next collective.
+        wait = torch.tensor([self.train_loader.window()["data_wait_fraction"], stats["data_wait_fraction"]],
+                            dtype=torch.float64)
+        dist.all_reduce(wait, op=dist.ReduceOp.MAX)
         grad_norm = self.engine.get_global_grad_norm()
         values = {
             "loss": loss[0].item() / loss[1].item(), "lr": self.lr,
             "grad_norm": float(grad_norm) if grad_norm is not None else None,
             "images_per_s": images_per_s, "images_per_s_per_gpu": images_per_s / world,
-            "data_wait_fraction": stats["data_wait_fraction"], "bad_samples": stats["bad_samples"],
+            "images_per_s_running": images_per_s_running,
+            "data_wait_fraction": wait[0].item(), "data_wait_fraction_running": wait[1].item(),
+            "bad_samples": stats["bad_samples"],
             "mfu": self.flops_per_image * images_per_s / (world * self.peak) if self.peak else None,
             "memory_gb": (torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda"
                           else _max_rss_bytes()) / 2**30,
@@ -269,9 +282,9 @@ class Trainer:
         self.metrics.write(step, values)
         if self.env.rank == 0:
             mfu = f" mfu {values['mfu']:.1%}" if values["mfu"] is not None else ""
-            log.info("step %d loss %.4f lr %.2e %.0f img/s (%.0f per rank) data wait %.0f%%%s", step,
-                     values["loss"], self.lr, images_per_s, images_per_s / world,
-                     100 * values["data_wait_fraction"], mfu)
+            log.info("step %d loss %.4f lr %.2e %.0f img/s (%.0f per rank) data wait %.0f%% (running %.0f%%)%s",
+                     step, values["loss"], self.lr, images_per_s, images_per_s / world,
+                     100 * values["data_wait_fraction"], 100 * values["data_wait_fraction_running"], mfu)
         self.window = Window(torch.zeros((), device=self.device))
         return values
 
