@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from vitforge.core import setup_logging
+from vitforge.core import is_remote, setup_logging
 
 from .loader import build_loader
 from .spec import BACKENDS, LoaderSpec
@@ -43,6 +43,8 @@ def measure(spec: LoaderSpec, steps: int, warmup: int, device: str) -> dict:
                 if device.startswith("cuda"):
                     torch.cuda.synchronize()
                 start, cpu_start = time.perf_counter(), cpu_seconds()
+                # the reads of the `steps` batches from this one on
+                reads_start = (loader.store_requests - batch["reads"][0], loader.bytes_read - batch["reads"][1])
             done += 1
             if done == warmup + steps:
                 break
@@ -51,7 +53,9 @@ def measure(spec: LoaderSpec, steps: int, warmup: int, device: str) -> dict:
         torch.cuda.synchronize()
     elapsed, cpu = time.perf_counter() - start, cpu_seconds() - cpu_start
     images = steps * spec.batch_size
+    requests, read = loader.store_requests - reads_start[0], loader.bytes_read - reads_start[1]
     return {"images_per_s": images / elapsed, "cpu_ms_per_image": 1000 * cpu / images,
+            "requests_per_1000_images": 1000 * requests / images, "bytes_per_image": read / images,
             "images_per_cpu_s": images / cpu if cpu else float("inf"), "seconds": elapsed}
 
 
@@ -76,4 +80,7 @@ def main(argv: list[str]) -> int:
           f"{result['cpu_ms_per_image']:.2f} CPU-ms per image "
           f"({result['images_per_cpu_s']:.0f} images per CPU-second), "
           f"batch {args.batch} x {args.steps} steps, {args.image_size} px, {args.workers} workers")
+    if is_remote(args.dataset):
+        print(f"object store: {result['requests_per_1000_images']:.0f} GETs per 1,000 images, "
+              f"{result['bytes_per_image'] / 1024:.1f} KiB read per image")
     return 0

@@ -1,7 +1,8 @@
 """`build_loader`: the one entry point the trainer uses, whatever the backend.
 
 A Loader yields one epoch per `iter()`, as dicts {"image": N,3,S,S on the device, "label": int64
-(-1 = ignore), "key": "SHARD.tar:KEY" per sample, "bad": keys replaced}. Its state is
+(-1 = ignore), "key": "SHARD.tar:KEY" per sample, "bad": keys replaced, "reads": (object-store
+requests, bytes read) to make it}. Its state is
 (epoch, consumed): how many positions of the epoch's global order all ranks together have taken.
 That is the same number on every rank, so any rank's state restores all of them, at the same or
 another world size or batch size.
@@ -37,7 +38,7 @@ class SyntheticBackend:
 
     def batches(self, epoch: int, rank_slice: RankSlice):
         for _ in range(rank_slice.num_batches):
-            yield {"image": self.images, "label": self.labels, "key": [], "bad": []}
+            yield {"image": self.images, "label": self.labels, "key": [], "bad": [], "reads": (0, 0)}
 
 
 def choose_backend(spec: LoaderSpec, device: torch.device) -> tuple[str, str]:
@@ -65,6 +66,8 @@ class Loader:
         self.wait_seconds = 0.0
         self.started: float | None = None
         self.bad_keys: list[str] = []
+        self.store_requests = 0
+        self.bytes_read = 0
         self._window = (None, 0, 0.0)  # (start, images, wait seconds) when the current window began
 
     def __len__(self) -> int:
@@ -91,6 +94,8 @@ class Loader:
             self.consumed += step
             self.images += len(batch["label"])
             self.bad_keys += batch["bad"]
+            self.store_requests += batch["reads"][0]
+            self.bytes_read += batch["reads"][1]
             yield batch
         self.epoch += 1
         self.consumed = 0
@@ -131,7 +136,7 @@ class Loader:
         return {"backend": self.backend.name, "images": self.images,
                 "images_per_s": self.images / elapsed if elapsed else 0.0,
                 "data_wait_fraction": self.wait_seconds / elapsed if elapsed else 0.0,
-                "bad_samples": len(self.bad_keys)}
+                "bad_samples": len(self.bad_keys), "store_requests": self.store_requests, "bytes_read": self.bytes_read}
 
 
 def build_loader(spec: LoaderSpec, rank: int = 0, world_size: int = 1,

@@ -50,6 +50,7 @@ class RawBatch:
     windows: Windows
     keys: list[str]
     bad: list[str] = field(default_factory=list)
+    reads: tuple[int, int] = (0, 0)  # (object-store requests, bytes read) to make this batch
 
     def replace(self, i: int, reason: str) -> None:
         """Swap sample i for the blank image: label -1, full-frame window, no flip."""
@@ -141,7 +142,8 @@ def make_batch(index: DatasetIndex, reader: SampleReader, order: np.ndarray, ran
     sizes = [image_size(data, index.max_pixels) for data in images]
     widths = np.array([s[0] if s else BLANK_SIDE for s in sizes], np.int64)
     heights = np.array([s[1] if s else BLANK_SIDE for s in sizes], np.int64)
-    raw = RawBatch(images, labels, widths, heights, crop_windows(widths, heights, positions, spec, epoch), keys)
+    raw = RawBatch(images, labels, widths, heights, crop_windows(widths, heights, positions, spec, epoch), keys,
+                   reads=(len(sample_ids) if reader.remote else 0, sum(len(r) for r in regions)))
     for i, size in enumerate(sizes):
         if size is None:
             raw.replace(i, f"not an intact image (bad markers or header) or over {index.max_pixels} pixels")

@@ -49,7 +49,8 @@ def decode_batch(raw: RawBatch, size: int) -> dict:
             raw.replace(i, f"does not decode: {e}")
             out[i] = decode_crop(raw.images[i], 0, 0, raw.widths[i], raw.heights[i], False,
                                  int(raw.widths[i]), int(raw.heights[i]), size)
-    return {"image": torch.from_numpy(out), "label": torch.from_numpy(raw.labels), "key": raw.keys, "bad": raw.bad}
+    return {"image": torch.from_numpy(out), "label": torch.from_numpy(raw.labels), "key": raw.keys, "bad": raw.bad,
+            "reads": raw.reads}
 
 
 def normalise(pixels: torch.Tensor, spec: LoaderSpec) -> torch.Tensor:
@@ -95,5 +96,5 @@ class TorchBackend:
             images = normalise(batch["image"].to(self.device, non_blocking=True), self.spec) if on_gpu else \
                 batch["image"]
             yield {"image": images, "label": batch["label"].to(self.device, non_blocking=True), "key": batch["key"],
-                   "bad": batch["bad"]}
+                   "bad": batch["bad"], "reads": tuple(batch["reads"])}
 
