@@ -53,12 +53,18 @@ def decode_batch(raw: RawBatch, size: int) -> dict:
             "reads": raw.reads}
 
 
-def normalise(pixels: torch.Tensor, spec: LoaderSpec) -> torch.Tensor:
-    """NHWC uint8 -> NCHW (x / 255 - mean) / std in `spec.dtype`, one multiply-add per element."""
-    mean, std = (torch.tensor(v, device=pixels.device).view(1, 3, 1, 1) for v in (spec.mean, spec.std))
-    images = torch.empty(pixels.shape[0], 3, *pixels.shape[1:3], device=pixels.device)
-    images.copy_(pixels.permute(0, 3, 1, 2))
-    return torch.addcmul(-mean / std, images, 1 / (255 * std), out=images).to(getattr(torch, spec.dtype))
+class Normalise:
+    """NHWC uint8 -> NCHW (x / 255 - mean) / std in `spec.dtype`, one multiply-add per element;
+    the constants are made once, on the device that normalises."""
+
+    def __init__(self, spec: LoaderSpec, device: torch.device):
+        mean, std = (torch.tensor(v, device=device).view(1, 3, 1, 1) for v in (spec.mean, spec.std))
+        self.scale, self.shift, self.dtype = 1 / (255 * std), -mean / std, getattr(torch, spec.dtype)
+
+    def __call__(self, pixels: torch.Tensor) -> torch.Tensor:
+        images = torch.empty(pixels.shape[0], 3, *pixels.shape[1:3], device=pixels.device)
+        images.copy_(pixels.permute(0, 3, 1, 2))
+        return torch.addcmul(self.shift, images, self.scale, out=images).to(self.dtype)
 
 
 class _Batches(torch.utils.data.IterableDataset):
@@ -71,10 +77,11 @@ class _Batches(torch.utils.data.IterableDataset):
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
         mine = range(worker, self.rank_slice.num_batches, workers)
+        normalise = Normalise(self.spec, torch.device("cpu")) if self.normalise_here else None
         for raw in raw_batches(self.index, self.spec, self.epoch, self.rank_slice, mine):
             batch = decode_batch(raw, self.spec.image_size)
-            if self.normalise_here:
-                batch["image"] = normalise(batch["image"], self.spec)
+            if normalise is not None:
+                batch["image"] = normalise(batch["image"])
             yield batch
 
 
@@ -83,6 +90,7 @@ class TorchBackend:
 
     def __init__(self, spec: LoaderSpec, index: DatasetIndex, device: torch.device):
         self.spec, self.index, self.device = spec, index, device
+        self.normalise = Normalise(spec, device) if device.type == "cuda" else None
 
     def batches(self, epoch: int, rank_slice: RankSlice):
         # For a GPU, uint8 travels (4x less to copy) and the GPU normalises; for the CPU the workers
@@ -93,8 +101,7 @@ class TorchBackend:
             _Batches(self.index, self.spec, epoch, rank_slice, normalise_here=not on_gpu), batch_size=None,
             num_workers=workers, prefetch_factor=self.spec.prefetch if workers else None, pin_memory=on_gpu)
         for batch in loader:
-            images = normalise(batch["image"].to(self.device, non_blocking=True), self.spec) if on_gpu else \
-                batch["image"]
+            images = self.normalise(batch["image"].to(self.device, non_blocking=True)) if on_gpu else batch["image"]
             yield {"image": images, "label": batch["label"].to(self.device, non_blocking=True), "key": batch["key"],
                    "bad": batch["bad"], "reads": tuple(batch["reads"])}
 

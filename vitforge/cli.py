@@ -52,6 +52,7 @@ def _dispatch(command: str, rest: list[str]) -> int:
             # SLURM signals every process of a job step. Held from here, a stop signal that comes
             # during imports and start-up neither kills this process nor a child it starts (the
             # mask is inherited: DeepSpeed's JIT compiler): the trainer takes it when it can save.
+            # The trainer's STOP_SIGNALS, spelled out: importing the trainer package imports torch.
             signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGUSR1, signal.SIGTERM))
         from vitforge.trainer.cli import main as trainer_main
 
