@@ -21,6 +21,7 @@ import os
 import shutil
 import socket
 import tempfile
+import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -280,6 +281,9 @@ class S3Store:
     bucket: str
     prefix: str
     _client: object = field(default=None, repr=False)
+    # HTTP requests this store has sent, botocore's own retries included: what the store bills.
+    requests: int = field(default=0, compare=False)
+    _count_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
     def client(self):
@@ -291,7 +295,12 @@ class S3Store:
                        "max_attempts": int(os.environ.get("AWS_MAX_ATTEMPTS", "5"))}
             self._client = boto3.client("s3", config=Config(retries=retries, connect_timeout=5, read_timeout=120,
                                                             max_pool_connections=32))
+            self._client.meta.events.register("before-send.s3", self._count_request)
         return self._client
+
+    def _count_request(self, **_) -> None:
+        with self._count_lock:
+            self.requests += 1
 
     def key(self, name: str) -> str:
         return f"{self.prefix}/{name}".strip("/") if self.prefix else name
@@ -348,14 +357,19 @@ class S3Store:
         with _named(self.url(name)):
             return self.client.put_object(Bucket=self.bucket, Key=self.key(name), Body=data, **condition)["ETag"]
 
-    def download(self, name: str, local_path: str, part_bytes: int = 16 << 20, threads: int = 8) -> str:
+    def download(self, name: str, local_path: str, part_bytes: int = 16 << 20, threads: int = 8,
+                 length: int | None = None) -> str:
         """Parallel ranged GETs of one version of the object (If-Match its ETag), written in place;
         returns the sha256 of the bytes, hashed in order as the parts arrive, so checking a
-        download costs no second pass over the file. A part cut short is fetched again."""
+        download costs no second pass over the file. A part cut short is fetched again.
+        `length`: fetch only the first `length` bytes, without the HEAD request (and its ETag pin)."""
         url = self.url(name)
-        with _named(url):
-            head = self.client.head_object(Bucket=self.bucket, Key=self.key(name))
-        size, etag = head["ContentLength"], head["ETag"]
+        if length is None:
+            with _named(url):
+                head = self.client.head_object(Bucket=self.bucket, Key=self.key(name))
+            size, pin = head["ContentLength"], {"IfMatch": head["ETag"]}
+        else:
+            size, pin = length, {}
         digest = hashlib.sha256()
         fd = os.open(local_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
 
@@ -364,8 +378,8 @@ class S3Store:
 
             def fetch() -> bytes:
                 with _named(url):
-                    response = self.client.get_object(Bucket=self.bucket, Key=self.key(name), IfMatch=etag,
-                                                      Range=f"bytes={start}-{end - 1}")
+                    response = self.client.get_object(Bucket=self.bucket, Key=self.key(name),
+                                                      Range=f"bytes={start}-{end - 1}", **pin)
                     body = response["Body"].read()
                 if len(body) != end - start:
                     raise TransientError(f"short read: {len(body)} of {end - start} bytes at {start}")

@@ -1,8 +1,9 @@
 """`build_loader`: the one entry point the trainer uses, whatever the backend.
 
 A Loader yields one epoch per `iter()`, as dicts {"image": N,3,S,S on the device, "label": int64
-(-1 = ignore), "key": "SHARD.tar:KEY" per sample, "bad": keys replaced, "reads": (object-store
-requests, bytes read) to make it}. Its state is
+(-1 = ignore), "key": "SHARD.tar:KEY" per sample, "bad": keys replaced, "reads": what reading it
+cost: object-store "requests" and "bytes" (bytes read locally for local shards), shard-cache
+"opens" and "fetches"}. Its state is
 (epoch, consumed): how many positions of the epoch's global order all ranks together have taken.
 That is the same number on every rank, so any rank's state restores all of them, at the same or
 another world size or batch size.
@@ -22,7 +23,7 @@ from .order import RankSlice, subset_ids
 from .spec import LoaderSpec
 
 log = logging.getLogger("vitforge.pipeline")
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2 added the partitions; a version 1 state is an order of one partition
 
 
 class SyntheticBackend:
@@ -38,7 +39,7 @@ class SyntheticBackend:
 
     def batches(self, epoch: int, rank_slice: RankSlice):
         for _ in range(rank_slice.num_batches):
-            yield {"image": self.images, "label": self.labels, "key": [], "bad": [], "reads": (0, 0)}
+            yield {"image": self.images, "label": self.labels, "key": [], "bad": [], "reads": {}}
 
 
 def choose_backend(spec: LoaderSpec, device: torch.device) -> tuple[str, str]:
@@ -56,18 +57,18 @@ def choose_backend(spec: LoaderSpec, device: torch.device) -> tuple[str, str]:
 
 class Loader:
     def __init__(self, spec: LoaderSpec, index: DatasetIndex | None, backend, rank: int, world_size: int,
-                 num_samples: int, accumulation: int = 1):
+                 num_samples: int, accumulation: int = 1, ranks_per_node: int = 1):
         self.spec, self.index, self.backend = spec, index, backend
         self.rank, self.world_size, self.num_samples = rank, world_size, num_samples
-        self.accumulation = accumulation
+        self.accumulation, self.ranks_per_node = accumulation, ranks_per_node
+        self.partitions = spec.partitions or world_size
         self.epoch = 0
         self.consumed = 0
         self.images = 0
         self.wait_seconds = 0.0
         self.started: float | None = None
         self.bad_keys: list[str] = []
-        self.store_requests = 0
-        self.bytes_read = 0
+        self.reads = {"requests": 0, "bytes": 0, "opens": 0, "fetches": 0}  # totals of the batches' "reads"
         self._window = (None, 0, 0.0)  # (start, images, wait seconds) when the current window began
 
     def __len__(self) -> int:
@@ -76,7 +77,7 @@ class Loader:
 
     def _slice(self) -> RankSlice:
         return RankSlice(self.num_samples, self.consumed, self.rank, self.world_size, self.spec.batch_size,
-                         self.spec.epoch_end, self.accumulation)
+                         self.spec.epoch_end, self.accumulation, self.partitions, self.ranks_per_node)
 
     def __iter__(self):
         rank_slice = self._slice()
@@ -94,8 +95,8 @@ class Loader:
             self.consumed += step
             self.images += len(batch["label"])
             self.bad_keys += batch["bad"]
-            self.store_requests += batch["reads"][0]
-            self.bytes_read += batch["reads"][1]
+            for name, value in batch["reads"].items():
+                self.reads[name] += value
             yield batch
         self.epoch += 1
         self.consumed = 0
@@ -103,11 +104,17 @@ class Loader:
     def state_dict(self) -> dict:
         return {"version": STATE_VERSION, "epoch": self.epoch, "consumed": self.consumed, "seed": self.spec.seed,
                 "num_samples": self.num_samples, "world_size": self.world_size,
-                "batch_size": self.spec.batch_size}
+                "batch_size": self.spec.batch_size, "partitions": self.partitions}
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("version") != STATE_VERSION:
-            raise CheckpointError(f"loader state version {state.get('version')} is not {STATE_VERSION}")
+        if state.get("version") not in (1, STATE_VERSION):
+            raise CheckpointError(f"loader state version {state.get('version')} is not 1 or {STATE_VERSION}")
+        partitions = state.get("partitions", 1)
+        if partitions != self.partitions:
+            if self.spec.partitions is not None:
+                raise CheckpointError(f"the run's order has {partitions} partitions, fixed when it started; "
+                                      f"data.partitions={self.spec.partitions} would change the order mid-run")
+            self.partitions = partitions
         for name in ("seed", "num_samples"):
             mine = self.spec.seed if name == "seed" else self.num_samples
             if state[name] != mine:
@@ -136,14 +143,19 @@ class Loader:
         return {"backend": self.backend.name, "images": self.images,
                 "images_per_s": self.images / elapsed if elapsed else 0.0,
                 "data_wait_fraction": self.wait_seconds / elapsed if elapsed else 0.0,
-                "bad_samples": len(self.bad_keys), "store_requests": self.store_requests, "bytes_read": self.bytes_read}
+                "bad_samples": len(self.bad_keys), "store_requests": self.reads["requests"],
+                "bytes_read": self.reads["bytes"], "shard_opens": self.reads["opens"],
+                "shard_fetches": self.reads["fetches"],
+                # shard opens the node's cache served without this loader fetching the shard
+                "cache_hit_rate": 1 - self.reads["fetches"] / self.reads["opens"] if self.reads["opens"] else None}
 
 
 def build_loader(spec: LoaderSpec, rank: int = 0, world_size: int = 1,
                  device: torch.device | str = "cpu", synthetic_samples: int = 1_281_167,
-                 synthetic_classes: int = 1000, accumulation: int = 1) -> Loader:
+                 synthetic_classes: int = 1000, accumulation: int = 1, ranks_per_node: int = 1) -> Loader:
     """A loader for one rank. `accumulation`: micro-batches per optimizer step, so that epochs end
-    on whole steps. For the synthetic backend `spec.dataset` is ignored."""
+    on whole steps. `ranks_per_node`: ranks rank // ranks_per_node share a node and its shard cache.
+    For the synthetic backend `spec.dataset` is ignored."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
     device = torch.device(device)
@@ -151,7 +163,7 @@ def build_loader(spec: LoaderSpec, rank: int = 0, world_size: int = 1,
     log.info("loader backend: %s (%s)", name, why)
     if name == "synthetic":
         backend = SyntheticBackend(spec, synthetic_classes, device)
-        return Loader(spec, None, backend, rank, world_size, synthetic_samples, accumulation)
+        return Loader(spec, None, backend, rank, world_size, synthetic_samples, accumulation, ranks_per_node)
     index = load_index(spec.dataset)
     if spec.subset is not None:
         try:
@@ -167,5 +179,5 @@ def build_loader(spec: LoaderSpec, rank: int = 0, world_size: int = 1,
         from .torch_backend import TorchBackend
 
         backend = TorchBackend(spec, index, device)
-    return Loader(spec, index, backend, rank, world_size, len(index), accumulation)
+    return Loader(spec, index, backend, rank, world_size, len(index), accumulation, ranks_per_node)
 

@@ -1,12 +1,19 @@
-"""The epoch's sample order and its split over ranks: pure functions of (seed, epoch, sizes).
+"""The epoch's sample order and its split over ranks: pure functions of (seed, epoch, sizes, partitions).
 
-One global order per epoch: shards permuted, samples permuted within each shard, then mixed
-within windows of `shuffle_window` positions (a shuffle buffer without the buffer). Ranks take
-whole batches from it in turn: batch b of rank r is positions [(b*W + r)*B, (b*W + r + 1)*B).
-So after k steps the ranks together have consumed exactly the first k*W*B positions, whatever W
-and B are, which is what makes resuming exact even at another world size or batch size. With
-gradient accumulation an optimizer step is A consecutive batches, i.e. one contiguous global batch
-of W*B*A positions, and epochs end on whole optimizer steps.
+Partitions: the shards, in one seeded order fixed for the run, are cut into P contiguous runs of
+equal sample counts (within one); P is fixed when the run starts. Each epoch, inside each partition,
+the shards are permuted, the samples permuted within each shard, then mixed within windows of
+`shuffle_window` positions (a shuffle buffer without the buffer). The epoch's global order
+interleaves the partitions: position j holds sample j // P of partition j % P.
+
+Ranks take every W-th position: batch b of rank r is positions c + b*W*B + r + W*i (i < B), from
+the epoch's start position c. So after k steps the ranks together have consumed exactly the first
+k*W*B positions, whatever W and B are: resuming is exact at any world size or batch size. And
+rank r only ever reads partitions p = r (mod W) when W divides P: each partition, so each shard
+(but the one or two at a partition's ends), is read by one rank, so by one node per epoch; store
+egress stays one copy of the dataset whatever the node count. With gradient accumulation an
+optimizer step is A consecutive batches, i.e. the W*B*A positions of one global batch, and epochs
+end on whole optimizer steps.
 
 Hashing instead of a seeded generator keeps the order identical across numpy versions.
 """
@@ -35,16 +42,31 @@ def mix(*parts) -> np.ndarray:
         return x & _MASK
 
 
-def epoch_order(shard_of_sample: np.ndarray, seed: int, epoch: int, window: int) -> np.ndarray:
-    """Sample ids in this epoch's order."""
+def partition_starts(num_samples: int, partitions: int) -> np.ndarray:
+    """First position of each of `partitions` contiguous runs of equal size (the first ones one more)."""
+    size, extra = divmod(num_samples, partitions)
+    p = np.arange(partitions, dtype=np.int64)
+    return p * size + np.minimum(p, extra)
+
+
+def epoch_order(shard_of_sample: np.ndarray, seed: int, epoch: int, window: int, partitions: int = 1) -> np.ndarray:
+    """Sample ids in this epoch's order (for one partition, the order of the shuffle alone)."""
     n = len(shard_of_sample)
     ids = np.arange(n, dtype=np.uint64)
-    shard_key = mix(seed, epoch, 1, np.arange(shard_of_sample.max() + 1, dtype=np.uint64))
-    order = np.lexsort((mix(seed, epoch, 2, ids), shard_key[shard_of_sample]))
+    shards = np.arange(shard_of_sample.max() + 1, dtype=np.uint64)
+    starts = partition_starts(n, partitions)
+    layout = np.lexsort((ids, mix(seed, 5, shards)[shard_of_sample]))  # fixed for the run
+    part = np.empty(n, np.int64)
+    part[layout] = np.searchsorted(starts, np.arange(n), side="right") - 1
+    shard_key = mix(seed, epoch, 1, shards)
+    order = np.lexsort((mix(seed, epoch, 2, ids), shard_key[shard_of_sample], part))
     if window > 1:
-        positions = np.arange(n, dtype=np.uint64)
-        order = order[np.lexsort((mix(seed, epoch, 3, positions), positions // np.uint64(window)))]
-    return order
+        positions = np.arange(n, dtype=np.int64)
+        in_partition = positions - starts[part[order]]
+        order = order[np.lexsort((mix(seed, epoch, 3, positions.astype(np.uint64)), in_partition // window,
+                                  part[order]))]
+    j = np.arange(n, dtype=np.int64)
+    return order[starts[j % partitions] + j // partitions]
 
 
 def subset_ids(num_samples: int, size: float | int, seed: int) -> np.ndarray:
@@ -70,6 +92,8 @@ class RankSlice:
     batch_size: int
     epoch_end: str
     accumulation: int = 1  # micro-batches per optimizer step: epochs end on whole optimizer steps
+    partitions: int = 1
+    ranks_per_node: int = 1  # ranks share a node when they share rank // ranks_per_node
 
     @property
     def num_batches(self) -> int:
@@ -80,5 +104,13 @@ class RankSlice:
 
     def positions(self, batch: int) -> np.ndarray:
         """Epoch positions of one batch; positions past the end wrap to the start (padding)."""
-        first = self.consumed + (batch * self.world_size + self.rank) * self.batch_size
-        return np.arange(first, first + self.batch_size, dtype=np.int64)
+        first = self.consumed + batch * self.world_size * self.batch_size + self.rank
+        return np.arange(first, first + self.world_size * self.batch_size, self.world_size, dtype=np.int64)
+
+    def node_positions(self) -> np.ndarray:
+        """The epoch positions that this rank's node (all its ranks) will read, ascending."""
+        node = self.rank // self.ranks_per_node
+        ranks = range(node * self.ranks_per_node, min((node + 1) * self.ranks_per_node, self.world_size))
+        count = self.num_batches * self.world_size * self.batch_size
+        offsets = np.arange(count, dtype=np.int64)
+        return self.consumed + offsets[np.isin(offsets % self.world_size, ranks)]

@@ -15,14 +15,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
-import fsspec
 import numpy as np
 import simplejpeg
 from PIL import Image
 
-from vitforge.core import is_remote, with_retries
+from vitforge.core import is_remote
 
 from .augment import Windows, crop_windows
+from .cache import NEVER, CacheSpec, ShardCache, cache_spec, shard_file_name
 from .index import DatasetIndex
 from .order import RankSlice, epoch_order
 from .spec import LoaderSpec
@@ -50,7 +50,9 @@ class RawBatch:
     windows: Windows
     keys: list[str]
     bad: list[str] = field(default_factory=list)
-    reads: tuple[int, int] = (0, 0)  # (object-store requests, bytes read) to make this batch
+    # What reading this batch cost: object-store requests and bytes (or bytes read locally), and
+    # shard-cache opens and fetches.
+    reads: dict = field(default_factory=lambda: {"requests": 0, "bytes": 0, "opens": 0, "fetches": 0})
 
     def replace(self, i: int, reason: str) -> None:
         """Swap sample i for the blank image: label -1, full-frame window, no flip."""
@@ -65,20 +67,42 @@ class RawBatch:
 
 
 class SampleReader:
-    """Byte ranges out of shards: pread on local files, ranged GETs (retried) on object stores."""
+    """Byte ranges out of shards by offset: local shards are read in place; object-store shards
+    through the node's shard cache, fetched ahead of need. A shard's file is closed after the last
+    batch of the plan that reads it, so the cache may reclaim it."""
 
-    def __init__(self, index: DatasetIndex, threads: int = 16):
+    def __init__(self, index: DatasetIndex, plan: list[np.ndarray], cache: CacheSpec | None = None,
+                 node_future: "NodeFuture | None" = None):
         self.index = index
         self.remote = any(is_remote(u) for u in index.shard_urls)
         self._fds: dict[int, int] = {}
-        self._pool = ThreadPoolExecutor(threads) if self.remote else None
+        shards_of = [np.unique(index.shard[ids]).tolist() for ids in plan]
+        last_use = {s: i for i, shards in enumerate(shards_of) for s in shards}
+        self._closing = [[s for s in shards if last_use[s] == i] for i, shards in enumerate(shards_of)]
+        # Shards in the order the plan first reads them; known[i]: how many of them batch i has reached.
+        self._upcoming: list[int] = []
+        self._known: list[int] = []
+        seen: set[int] = set()
+        for shards in shards_of:
+            self._upcoming += [s for s in shards if s not in seen]
+            seen.update(shards)
+            self._known.append(len(self._upcoming))
+        self._lengths = shard_lengths(index)
+        self._cache = self._prefetcher = None
+        self._batch = self._batch_position = self._submitted = 0
+        if self.remote:
+            if cache is None or node_future is None:
+                raise ValueError("object-store shards are read through a shard cache")
+            names = {shard_file_name(u, int(self._lengths[s])): s for s, u in enumerate(index.shard_urls)}
+            self._cache = ShardCache(cache, lambda name: node_future.next_use(names.get(name), self._batch_position))
+            self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="shard-prefetch")
 
     def close(self) -> None:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
+        if self._prefetcher is not None:
+            self._prefetcher.shutdown(wait=True, cancel_futures=True)
 
     def __enter__(self) -> "SampleReader":
         return self
@@ -86,26 +110,76 @@ class SampleReader:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def read(self, sample_ids: np.ndarray) -> list[bytes]:
-        if self._pool is not None:
-            return list(self._pool.map(self._read_one, sample_ids))
-        return [self._read_one(s) for s in sample_ids]
+    def read(self, sample_ids: np.ndarray, position: int) -> tuple[list[bytes], dict]:
+        """The samples' byte ranges, and what reading them cost: {"requests", "bytes"} from the store
+        (or bytes read locally), {"opens", "fetches"} of cached shards since the previous batch."""
+        before = self._counters()
+        if self._cache is not None:
+            self._batch_position = position
+            self._prefetch_ahead()
+        regions = [self._read_one(int(s)) for s in sample_ids]
+        for shard in self._closing[self._batch]:
+            os.close(self._fds.pop(shard))
+        self._batch += 1
+        after = self._counters()
+        reads = {k: after[k] - before[k] for k in after}
+        if self._cache is None:
+            reads["bytes"] = sum(len(r) for r in regions)
+        return regions, reads
+
+    def _counters(self) -> dict:
+        cache = self._cache
+        if cache is None:
+            return {"requests": 0, "bytes": 0, "opens": 0, "fetches": 0}
+        return {"requests": cache.requests, "bytes": cache.bytes_fetched, "opens": cache.opens,
+                "fetches": cache.fetches}
+
+    def _prefetch_ahead(self) -> None:
+        """Keep the shards of this batch and the next `ahead` ones (in first-use order) on their way."""
+        wanted = min(len(self._upcoming), self._known[self._batch] + self._cache.spec.ahead)
+        while self._submitted < wanted:
+            shard = self._upcoming[self._submitted]
+            self._prefetcher.submit(self._cache.prefetch, self.index.shard_urls[shard], int(self._lengths[shard]))
+            self._submitted += 1
 
     def _read_one(self, sample: int) -> bytes:
         index = self.index
         shard, start, length = int(index.shard[sample]), int(index.start[sample]), int(index.length[sample])
-        url = index.shard_urls[shard]
-        if not self.remote:
-            fd = self._fds.get(shard)
-            if fd is None:
-                fd = self._fds[shard] = os.open(url.removeprefix("file://"), os.O_RDONLY)
-            data = os.pread(fd, length, start)
-        else:
-            fs, path = fsspec.core.url_to_fs(url)
-            data = with_retries(lambda: fs.cat_file(path, start=start, end=start + length), url)
+        fd = self._fds.get(shard)
+        if fd is None:
+            url = index.shard_urls[shard]
+            fd = self._fds[shard] = (self._cache.open(url, int(self._lengths[shard])) if self._cache is not None
+                                     else os.open(url.removeprefix("file://"), os.O_RDONLY))
+        data = os.pread(fd, length, start)
         if len(data) != length:
-            raise OSError(f"{url}: short read at byte {start} ({len(data)} of {length}): shard truncated?")
+            raise OSError(f"{index.shard_urls[shard]}: short read at byte {start} ({len(data)} of {length}): "
+                          "shard truncated?")
         return data
+
+
+def shard_lengths(index: DatasetIndex) -> np.ndarray:
+    """Bytes from each shard's start to the end of its last sample: what a cache needs of it."""
+    ends = np.zeros(len(index.shard_urls), np.int64)
+    np.maximum.at(ends, index.shard, index.start + index.length)
+    return ends
+
+
+class NodeFuture:
+    """When this node next reads each shard in the rest of the epoch: the positions of the epoch
+    order read by any rank of the node, grouped by shard."""
+
+    def __init__(self, index: DatasetIndex, order: np.ndarray, rank_slice: RankSlice):
+        positions = rank_slice.node_positions()
+        shards = index.shard[order[positions % len(order)]]
+        by_shard = np.lexsort((positions, shards))
+        self.positions, self.shards = positions[by_shard], shards[by_shard]
+
+    def next_use(self, shard: int | None, position: int) -> float:
+        if shard is None:
+            return NEVER  # not a shard of this dataset (left by an earlier run)
+        lo, hi = np.searchsorted(self.shards, [shard, shard + 1])
+        at = lo + np.searchsorted(self.positions[lo:hi], position)
+        return float(self.positions[at]) if at < hi else NEVER
 
 
 def image_size(data: bytes, max_pixels: int) -> tuple[int, int] | None:
@@ -127,7 +201,7 @@ def make_batch(index: DatasetIndex, reader: SampleReader, order: np.ndarray, ran
                batch: int, spec: LoaderSpec, epoch: int) -> RawBatch:
     positions = rank_slice.positions(batch)
     sample_ids = order[positions % len(order)]
-    regions = reader.read(sample_ids)
+    regions, reads = reader.read(sample_ids, int(positions[0]))
     images, labels, keys, label_texts = [], np.empty(len(regions), np.int64), [], []
     for i, (sample, region) in enumerate(zip(sample_ids, regions)):
         at, n = int(index.image_at[sample]), int(index.image_len[sample])
@@ -143,7 +217,7 @@ def make_batch(index: DatasetIndex, reader: SampleReader, order: np.ndarray, ran
     widths = np.array([s[0] if s else BLANK_SIDE for s in sizes], np.int64)
     heights = np.array([s[1] if s else BLANK_SIDE for s in sizes], np.int64)
     raw = RawBatch(images, labels, widths, heights, crop_windows(widths, heights, positions, spec, epoch), keys,
-                   reads=(len(sample_ids) if reader.remote else 0, sum(len(r) for r in regions)))
+                   reads=reads)
     for i, size in enumerate(sizes):
         if size is None:
             raw.replace(i, f"not an intact image (bad markers or header) or over {index.max_pixels} pixels")
@@ -156,7 +230,13 @@ def make_batch(index: DatasetIndex, reader: SampleReader, order: np.ndarray, ran
 def raw_batches(index: DatasetIndex, spec: LoaderSpec, epoch: int, rank_slice: RankSlice,
                 batches: Iterable[int]) -> Iterator[RawBatch]:
     """The given batches of one rank's epoch, in that order, read with one reader."""
-    order = epoch_order(index.shard, spec.seed, epoch, spec.shuffle_window)
-    with SampleReader(index) as reader:
+    order = epoch_order(index.shard, spec.seed, epoch, spec.shuffle_window, rank_slice.partitions)
+    batches = list(batches)
+    plan = [order[rank_slice.positions(b) % len(order)] for b in batches]
+    cache = future = None
+    if any(is_remote(u) for u in index.shard_urls):
+        cache = cache_spec(spec, rank_slice.rank // rank_slice.ranks_per_node)
+        future = NodeFuture(index, order, rank_slice)
+    with SampleReader(index, plan, cache, future) as reader:
         for batch in batches:
             yield make_batch(index, reader, order, rank_slice, batch, spec, epoch)

@@ -39,6 +39,15 @@ class LoaderSpec:
     # A deterministic subset of the dataset (train only): a fraction (0.1) or a sample count (5000);
     # smaller subsets are inside larger ones for the same seed. None: every sample.
     subset: float | int | None = None
+    # Canonical partitions of the order (see order.py), fixed when the run starts: None = the world
+    # size then. Store egress stays one copy of the dataset per epoch at any world size dividing it.
+    partitions: int | None = None
+    # Object-store shards go through a node-local cache shared by the node's ranks: its folder
+    # (None: $VITFORGE_CACHE_DIR, else the system temp folder), size limit, GET size and lookahead.
+    cache_dir: str | None = None
+    cache_gb: float = 32.0
+    read_block_mb: float = 16.0
+    shards_ahead: int = 2  # shards fetched ahead of the one being read, per reader
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -60,5 +69,10 @@ class LoaderSpec:
         if self.subset is not None and not (0 < self.subset <= 1 if isinstance(self.subset, float)
                                             else self.subset >= 1):
             raise UsageError(f"subset must be a fraction in (0, 1] or a sample count >= 1, not {self.subset!r}")
+        if self.partitions is not None and self.partitions < 1:
+            raise UsageError(f"partitions must be >= 1, not {self.partitions}")
+        if self.cache_gb <= 0 or self.read_block_mb <= 0 or self.shards_ahead < 0:
+            raise UsageError(f"cache_gb must be > 0, read_block_mb > 0 and shards_ahead >= 0, not "
+                             f"{self.cache_gb}, {self.read_block_mb}, {self.shards_ahead}")
         if not 0 < self.eval_crop_fraction <= 1:
             raise UsageError(f"eval_crop_fraction must be in (0, 1], not {self.eval_crop_fraction}")

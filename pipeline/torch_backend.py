@@ -103,5 +103,5 @@ class TorchBackend:
         for batch in loader:
             images = self.normalise(batch["image"].to(self.device, non_blocking=True)) if on_gpu else batch["image"]
             yield {"image": images, "label": batch["label"].to(self.device, non_blocking=True), "key": batch["key"],
-                   "bad": batch["bad"], "reads": tuple(batch["reads"])}
+                   "bad": batch["bad"], "reads": batch["reads"]}
 

@@ -4,10 +4,12 @@ samples in shards made elsewhere, S3."""
 from __future__ import annotations
 
 import io
+import os
 import json
 import tarfile
 import uuid
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +17,7 @@ import torch
 from PIL import Image
 
 from conftest import dataset_samples, vitforge
+from faulty_proxy import FaultSchedule, start_proxy
 from vitforge.core import CheckpointError
 from vitforge.pipeline import IGNORE_LABEL, LoaderSpec, build_loader, choose_backend
 from vitforge.synthetic import class_image, jpeg_bytes
@@ -256,25 +259,32 @@ def test_missing_shard_fails_naming_it(dataset, tmp_path):
             pass
 
 
-def test_reads_shards_from_s3(dataset, truth, s3_server, s3_env):
+def test_reads_shards_from_s3_whole_through_the_node_cache(dataset, truth, s3_server, s3_env, tmp_path):
     bucket = "ld-" + uuid.uuid4().hex[:10]
     client = s3_server["client"]
     client.create_bucket(Bucket=bucket)
     for path in sorted(dataset.rglob("*")):
         if path.is_file():
             client.put_object(Bucket=bucket, Key=f"shards/{path.relative_to(dataset)}", Body=path.read_bytes())
-    loader = build_loader(spec(f"s3://{bucket}/shards", backend="torch", train=False))
-    local = build_loader(spec(dataset, backend="torch", train=False))
+    remote = spec(f"s3://{bucket}/shards", backend="torch", train=False, cache_dir=str(tmp_path / "cache"))
+    loader, local = build_loader(remote), build_loader(spec(dataset, backend="torch", train=False))
     for remote_batch, local_batch in zip(loader, local):
         assert remote_batch["key"] == local_batch["key"]
         assert torch.equal(remote_batch["image"], local_batch["image"])
         assert all(label == truth[key][0] for key, label in zip(remote_batch["key"], remote_batch["label"].tolist()))
-    # Today one ranged GET per sample (whole-shard reads are still to come): counted and reported.
-    assert loader.stats()["store_requests"] == 120 and local.stats()["store_requests"] == 0
-    assert loader.stats()["bytes_read"] == local.stats()["bytes_read"] > 120 * 100
+    # One GET per shard (each under a 16 MiB block), no HEAD: 8 shards, 8 requests, the tars' bytes.
+    tars = sum(p.stat().st_size for p in dataset.glob("*.tar"))
+    stats = loader.stats()
+    assert stats["store_requests"] == 8 and local.stats()["store_requests"] == 0
+    assert local.stats()["bytes_read"] < stats["bytes_read"] < tars  # samples and headers, no tar trailer
+    assert stats["shard_fetches"] == 8 and stats["cache_hit_rate"] == 0
+    again = build_loader(remote)
+    assert [k for b in again for k in b["key"]] == [k for b in build_loader(remote) for k in b["key"]]
+    assert again.stats()["store_requests"] == 0 and again.stats()["cache_hit_rate"] == 1.0
     bench = vitforge("loader-bench", f"s3://{bucket}/shards", "--backend", "torch", "--batch", "8", "--steps", "10",
-                     "--image-size", "32", "--workers", "0", env=s3_env)
-    assert "object store: 1000 GETs per 1,000 images" in bench.stdout and "KiB read per image" in bench.stdout
+                     "--image-size", "32", "--workers", "0", "--cache-dir", str(tmp_path / "bench"), env=s3_env)
+    assert "object store: 67 GETs per 1,000 images" in bench.stdout and "KiB read per image" in bench.stdout
+    assert "shard cache: 8 shard opens, 8 fetched, cache hit rate 0%" in bench.stdout
 
 
 def test_synthetic_and_auto():
@@ -325,11 +335,13 @@ def test_no_file_descriptors_leak_across_epochs(dataset):
 def test_accumulation_ends_epochs_on_whole_optimizer_steps(dataset):
     """1 rank x 2 micro-batches per step sees exactly what 2 ranks x 1 micro-batch see, step by step,
     also across the padded end of the epoch."""
-    one = build_loader(spec(dataset, backend="torch"), 0, 1, accumulation=2)
+    one = build_loader(spec(dataset, backend="torch", partitions=2), 0, 1, accumulation=2)
     two = [build_loader(spec(dataset, backend="torch"), rank, 2) for rank in range(2)]
     single = [b["key"] for b in one]
     paired = [b["key"] for pair in zip(*two) for b in pair]
-    assert len(single) % 2 == 0 and single == paired
+    assert len(single) == len(paired) and len(single) % 2 == 0
+    for step in range(0, len(single), 2):
+        assert Counter(single[step] + single[step + 1]) == Counter(paired[step] + paired[step + 1])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -420,3 +432,145 @@ def test_subsets_are_nested_deterministic_and_sized(dataset):
         build_loader(spec(dataset, backend="torch", subset=500))
     with pytest.raises(Exception, match="subset must be a fraction"):
         spec(dataset, backend="torch", subset=1.5)
+
+
+@pytest.fixture(scope="module")
+def wide_bucket(tmp_path_factory, s3_server):
+    """600 samples in 6 shards of 100 (enough per shard for whole-shard reads to show), in a bucket."""
+    from vitforge.synthetic import write_class_folders
+
+    root = tmp_path_factory.mktemp("wide")
+    write_class_folders(str(root / "images"), num_classes=5, per_class=120, size=(32, 24))
+    vitforge("shard", root / "images", root / "shards", "--shard-samples", "100", "--workers", "2")
+    bucket = "wide-" + uuid.uuid4().hex[:10]
+    s3_server["client"].create_bucket(Bucket=bucket)
+    for path in sorted((root / "shards").rglob("*")):
+        if path.is_file():
+            s3_server["client"].put_object(Bucket=bucket, Key=f"shards/{path.name}", Body=path.read_bytes())
+    return root / "shards", f"s3://{bucket}/shards"
+
+
+def node_ranks(dataset, world, per_node, cache, **kw):
+    return [build_loader(spec(dataset, backend="torch", batch_size=10, cache_dir=str(cache), **kw), rank, world,
+                         ranks_per_node=per_node) for rank in range(world)]
+
+
+def run_ranks(loaders, epochs=2):
+    """All ranks at once, one thread each (ranks of a node share its cache folder): per rank, per
+    epoch, the delivered (key, image) pairs and the loader's reads."""
+    import threading
+
+    results = [[] for _ in loaders]
+
+    def rank_main(rank):
+        for _ in range(epochs):
+            before = dict(loaders[rank].reads)
+            batches = [(b["key"], b["image"].clone()) for b in loaders[rank]]
+            results[rank].append((batches, {k: loaders[rank].reads[k] - before[k] for k in before}))
+
+    threads = [threading.Thread(target=rank_main, args=(rank,)) for rank in range(len(loaders))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(len(r) == epochs for r in results), "a rank failed"
+    return results
+
+
+@pytest.mark.parametrize("world,per_node", [(4, 2), (4, 1), (2, 2)])
+def test_nodes_fetch_disjoint_shards_once_each_and_deliver_what_a_local_run_does(wide_bucket, s3_server, monkeypatch,
+                                                                                 tmp_path, world, per_node):
+    local, remote = wide_bucket
+    counting = FaultSchedule(0, 0, 0)
+    proxy, port = start_proxy(int(s3_server["endpoint"].rsplit(":", 1)[1]), counting)
+    for key, value in {**s3_server["env"], "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}.items():
+        monkeypatch.setenv(key, value)
+    try:
+        loaders = node_ranks(remote, world, per_node, tmp_path / "cache")
+        counting.requests.clear()  # from here on, the loaders' reads only (not the shard indexes)
+        got = run_ranks(loaders)
+    finally:
+        proxy.shutdown()
+    expected = run_ranks(node_ranks(local, world, per_node, tmp_path / "unused"))
+    for rank in range(world):
+        for (batches, _), (want, _) in zip(got[rank], expected[rank]):
+            assert [k for k, _ in batches] == [k for k, _ in want]
+            assert all(torch.equal(a, b) for (_, a), (_, b) in zip(batches, want))
+    shard_bytes = {p.name: p.stat().st_size for p in local.glob("*.tar")}
+    nodes = world // per_node
+    for epoch in range(2):
+        fetched = 0
+        for node in range(nodes):
+            ranks = range(node * per_node, (node + 1) * per_node)
+            read = {k.split(":")[0] for r in ranks for batches, _ in [got[r][epoch]] for keys, _ in batches
+                    for k in keys}
+            fetches = sum(got[r][epoch][1]["fetches"] for r in ranks)
+            # Each shard the node reads is fetched once in the first epoch, by one of its ranks; the
+            # partitions stay with the node, so the second epoch finds them all in its cache.
+            assert fetches == (len(read) if epoch == 0 else 0)
+            fetched += sum(got[r][epoch][1]["bytes"] for r in ranks)
+        # One copy of the dataset per epoch whatever the node count; only a shard cut by the
+        # boundary between two nodes' partitions is fetched by both.
+        assert fetched <= (sum(shard_bytes.values()) + (nodes - 1) * max(shard_bytes.values()) if epoch == 0 else 0)
+    gets = [path for method, path in counting.requests if method == "GET"]
+    assert len(gets) == len(counting.requests) == sum(got[r][0][1]["requests"] for r in range(world))
+    assert 1000 * len(gets) / 600 < 20  # GETs per 1,000 images
+
+
+def test_injected_503s_and_resets_are_survived(wide_bucket, faulty, monkeypatch, tmp_path):
+    local, remote = wide_bucket
+    env, schedule = faulty
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    loaders = node_ranks(remote, 4, 2, tmp_path / "cache", read_block_mb=0.05)  # several GETs per shard
+    first = schedule.count
+    got = run_ranks(loaders, epochs=1)
+    assert schedule.count - first > 18 and all(schedule.injected.values()), schedule.injected
+    want = run_ranks(node_ranks(local, 4, 2, tmp_path / "unused"), epochs=1)
+    for (batches, _), (expected, _) in zip((r[0] for r in got), (r[0] for r in want)):
+        assert [k for k, _ in batches] == [k for k, _ in expected]
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(batches, expected))
+
+
+def test_a_full_cache_removes_what_the_order_needs_last_and_a_dead_fetch_leaves_nothing(wide_bucket, s3_server,
+                                                                                      monkeypatch, tmp_path, caplog):
+    """A cache of about three shards for a node reading all six, shard by shard (a small shuffle
+    window): finished shards make room, none is fetched twice in an epoch, the limit holds."""
+    from vitforge.pipeline.cache import cache_spec, shard_file_name
+    from vitforge.pipeline.reader import shard_lengths
+
+    local, remote = wide_bucket
+    counting = FaultSchedule(0, 0, 0)
+    proxy, port = start_proxy(int(s3_server["endpoint"].rsplit(":", 1)[1]), counting)
+    for key, value in {**s3_server["env"], "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}.items():
+        monkeypatch.setenv(key, value)
+    shard_bytes = max(p.stat().st_size for p in local.glob("*.tar"))
+    options = {"shuffle_window": 10, "shards_ahead": 0, "cache_gb": 3.2 * shard_bytes / 1e9}
+    loaders = node_ranks(remote, 2, 2, tmp_path / "cache", **options)
+    folder = cache_spec(loaders[0].spec, 0).folder
+    os.makedirs(folder)
+    index = loaders[0].index
+    stale = os.path.join(folder, shard_file_name(index.shard_urls[0], int(shard_lengths(index)[0])) + ".partial")
+    Path(stale).write_bytes(b"half a shard from a fetch that was killed")
+    got, fetched = [[], []], []
+    try:
+        for _ in range(2):
+            counting.requests.clear()
+            for rank, result in enumerate(run_ranks(loaders, epochs=1)):
+                got[rank] += result
+            fetched.append(Counter(path for _, path in counting.requests))
+    finally:
+        proxy.shutdown()
+    want = run_ranks(node_ranks(local, 2, 2, tmp_path / "unused", **options))
+    for rank in range(2):
+        for (batches, reads), (expected, _) in zip(got[rank], want[rank]):
+            assert [k for k, _ in batches] == [k for k, _ in expected]
+            assert all(torch.equal(a, b) for (_, a), (_, b) in zip(batches, expected))
+    # One GET per fetch (shards are under a block): all six shards once in the first epoch; in the
+    # second, those the cache no longer held, each once.
+    assert len(fetched[0]) == 6 and set(fetched[0].values()) == {1}
+    assert 3 <= len(fetched[1]) <= 6 and set(fetched[1].values()) == {1}
+    files = [e for e in os.scandir(folder) if not e.name.endswith(".lock")]
+    assert not [e.name for e in files if e.name.endswith(".partial")]
+    assert sum(e.stat().st_size for e in files) <= options["cache_gb"] * 1e9
+    assert "going over it" not in caplog.text

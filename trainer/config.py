@@ -45,6 +45,16 @@ class DataConfig(Strict):
     # for one seed the smaller subsets are inside the larger ones. Eval always sees all of data.val.
     subset: float | int | None = Field(None, gt=0)
     seed: int = 0
+    # Partitions of the sample order, fixed when the run starts (null: the number of ranks then).
+    # A resume at any world size is exact; store egress stays one copy of the dataset per epoch
+    # when the number of ranks divides it, so pick a multiple of the sizes you will run at.
+    partitions: int | None = Field(None, ge=1)
+    # s3:// datasets: shards are fetched whole (GETs of read_block_mb) into a node-local cache
+    # shared by the node's ranks; null cache_dir: $VITFORGE_CACHE_DIR, else the temp folder.
+    cache_dir: str | None = None
+    cache_gb: float = Field(32.0, gt=0)  # per node and dataset; what the order needs last goes first
+    read_block_mb: float = Field(16.0, gt=0)
+    shards_ahead: int = Field(2, ge=0)  # shards fetched ahead of need, per reader
 
 
 class OptimizerConfig(Strict):

@@ -22,6 +22,9 @@ class DistEnv:
     local_rank: int
     master_addr: str
     master_port: int
+    # Ranks per node; the ranks of node n are n*L .. n*L+L-1 (torchrun's numbering, and srun's block
+    # distribution, the default). 1 when the launcher does not say.
+    local_world_size: int = 1
 
 
 def first_host(nodelist: str) -> str:
@@ -40,16 +43,20 @@ def detect_env(environ: dict | None = None) -> DistEnv:
     env = os.environ if environ is None else environ
     if "RANK" in env and "WORLD_SIZE" in env:
         result = DistEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
-                         env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500)))
+                         env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500)),
+                         int(env.get("LOCAL_WORLD_SIZE", 1)))
     elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         job = int(env.get("SLURM_JOB_ID", "0"))
         result = DistEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)),
                          env.get("MASTER_ADDR") or first_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1")),
-                         int(env.get("MASTER_PORT") or 20000 + job % 20000))
+                         int(env.get("MASTER_PORT") or 20000 + job % 20000),
+                         int(re.match(r"\d+", env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+                                      or "1").group()))
     else:
         result = DistEnv(0, 1, 0, "127.0.0.1", free_port())
     env.update(RANK=str(result.rank), WORLD_SIZE=str(result.world_size), LOCAL_RANK=str(result.local_rank),
-               MASTER_ADDR=result.master_addr, MASTER_PORT=str(result.master_port))
+               LOCAL_WORLD_SIZE=str(result.local_world_size), MASTER_ADDR=result.master_addr,
+               MASTER_PORT=str(result.master_port))
     return result
 
 

@@ -93,9 +93,12 @@ def build_data_loader(cfg: Config, source: str, train: bool, env, device):
                       backend="synthetic" if source == "synthetic" else cfg.data.backend, seed=cfg.data.seed,
                       workers=cfg.data.workers, prefetch=cfg.data.prefetch, subset=cfg.data.subset if train else None,
                       overlap={"auto": None, "on": True, "off": False}[cfg.data.overlap],
-                      dtype="bfloat16" if cfg.train.precision == "bf16" else "float32")
+                      dtype="bfloat16" if cfg.train.precision == "bf16" else "float32",
+                      partitions=cfg.data.partitions, cache_dir=cfg.data.cache_dir, cache_gb=cfg.data.cache_gb,
+                      read_block_mb=cfg.data.read_block_mb, shards_ahead=cfg.data.shards_ahead)
     return build_loader(spec, env.rank, env.world_size, device, synthetic_classes=cfg.model.num_classes or 1000,
-                        accumulation=cfg.accumulation(env.world_size) if train else 1)
+                        accumulation=cfg.accumulation(env.world_size) if train else 1,
+                        ranks_per_node=env.local_world_size)
 
 
 def metrics_folder(cfg: Config) -> str:
