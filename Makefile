@@ -33,6 +33,7 @@ bench: setup
 	$(PY) benchmarks/loader_bench.py
 	$(PY) benchmarks/train_bench.py
 	$(PY) benchmarks/ckpt_bench.py
+	$(PY) benchmarks/egress_bench.py
 
 # Small wheels (and DeepSpeed's sdist) benchmarks/gpu_check.sh installs on the GPU machine, which has no network.
 gpu-wheels:

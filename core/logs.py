@@ -17,3 +17,6 @@ def setup_logging() -> None:
     level = logging.INFO if rank == 0 else logging.WARNING
     logging.basicConfig(level=level, format=f"%(asctime)s [rank {rank}] %(name)s %(levelname)s %(message)s",
                         stream=sys.stderr, force=True)
+    # botocore says at INFO where it found the endpoint, once per client: a line per shard reader.
+    for chatty in ("botocore", "boto3", "s3transfer"):
+        logging.getLogger(chatty).setLevel(max(level, logging.WARNING))

@@ -45,7 +45,8 @@ def cache_spec(spec: LoaderSpec, node: int) -> CacheSpec:
     root = spec.cache_dir or os.environ.get("VITFORGE_CACHE_DIR") or os.path.join(tempfile.gettempdir(),
                                                                                 "vitforge-cache")
     dataset = hashlib.sha1(spec.dataset.encode()).hexdigest()[:12]
-    return CacheSpec(os.path.join(root, f"node{node}", dataset), int(spec.cache_gb * 1e9), int(spec.read_block_mb * 2**20),
+    return CacheSpec(os.path.join(root, f"node{node}", dataset), int(spec.cache_gb * 1e9),
+                     int(spec.read_block_mb * 2**20),
                      spec.shards_ahead)
 
 
@@ -55,7 +56,7 @@ def shard_file_name(url: str, length: int) -> str:
 
 
 @contextlib.contextmanager
-def _locked(path: str, blocking: bool = True):
+def locked(path: str, blocking: bool = True):
     """An exclusive flock on `path`; yields False (and holds nothing) when not blocking and taken."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -102,7 +103,7 @@ class ShardCache:
 
     def _fetch(self, url: str, length: int, name: str, keep_open: bool) -> int:
         final = os.path.join(self.spec.folder, name)
-        with _locked(final + LOCK):
+        with locked(final + LOCK):
             with contextlib.suppress(FileNotFoundError):  # another process fetched it while we waited
                 return os.open(final, os.O_RDONLY) if keep_open else -1
             self._make_room(length, self.next_use(name))
@@ -126,7 +127,7 @@ class ShardCache:
     def _make_room(self, need: int, incoming_next_use: float) -> None:
         """Remove shards, those needed last first, until `need` more bytes fit, but none the node
         needs before the incoming one (that would only fetch it again)."""
-        with _locked(os.path.join(self.spec.folder, ".room" + LOCK)):
+        with locked(os.path.join(self.spec.folder, ".room" + LOCK)):
             shards, total = [], 0
             for entry in os.scandir(self.spec.folder):
                 if entry.name.endswith(PARTIAL):
@@ -149,7 +150,7 @@ class ShardCache:
 
     def _partial_size_or_discard(self, entry: os.DirEntry) -> int:
         """A partial file whose lock nobody holds is a dead fetch's: removed. Else its size so far."""
-        with _locked(entry.path.removesuffix(PARTIAL) + LOCK, blocking=False) as free:
+        with locked(entry.path.removesuffix(PARTIAL) + LOCK, blocking=False) as free:
             if free:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(entry.path)

@@ -54,7 +54,8 @@ def measure(spec: LoaderSpec, steps: int, warmup: int, device: str) -> dict:
     # Reads over every batch, warm-up included: shards are fetched whole, ahead of the batches that need them.
     delivered, reads = done * spec.batch_size, loader.reads
     return {"images_per_s": images / elapsed, "cpu_ms_per_image": 1000 * cpu / images,
-            "requests_per_1000_images": 1000 * reads["requests"] / delivered, "bytes_per_image": reads["bytes"] / delivered,
+            "requests_per_1000_images": 1000 * reads["requests"] / delivered,
+            "bytes_per_image": reads["bytes"] / delivered,
             "images_read": delivered, "shard_opens": reads["opens"], "shard_fetches": reads["fetches"],
             "images_per_cpu_s": images / cpu if cpu else float("inf"), "seconds": elapsed}
 

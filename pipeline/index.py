@@ -8,8 +8,11 @@ resumable to the sample) instead of a property of a streaming reader.
 from __future__ import annotations
 
 import glob
+import hashlib
+import json
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import fsspec
@@ -17,8 +20,10 @@ import numpy as np
 from braceexpand import braceexpand
 from PIL import Image
 
-from vitforge.core import UsageError, is_remote, open_store
+from vitforge.core import UsageError, atomic_write, is_remote, open_store
 from vitforge.shards import SAMPLE_IMAGE_EXTS, ManifestError, index_path_for, index_tar, read_manifest
+
+from .cache import locked
 
 log = logging.getLogger("vitforge.pipeline")
 
@@ -55,9 +60,11 @@ class DatasetIndex:
                             classes=self.classes, max_pixels=self.max_pixels, **columns)
 
 
-def load_index(dataset: str) -> DatasetIndex:
+def load_index(dataset: str, cache_folder: str | None = None) -> DatasetIndex:
     """`dataset`: a folder or s3:// prefix with dataset.json, or tar paths (a glob or
-    `{000000..000099}` braces) made by any WebDataset writer, with or without .idx files."""
+    `{000000..000099}` braces) made by any WebDataset writer, with or without .idx files.
+    `cache_folder`: a node's shard cache folder for an s3:// dataset with dataset.json; one rank of
+    the node fetches the index files and keeps them beside it, the others read them there."""
     if dataset.rstrip("/").endswith(".tar") or any(c in dataset for c in "*?{"):
         urls = _expand(dataset)
         if not urls:
@@ -69,7 +76,7 @@ def load_index(dataset: str) -> DatasetIndex:
     except ManifestError as e:
         raise DatasetError(str(e)) from None
     urls = [store.url(s["name"]) for s in manifest["shards"]]
-    texts = [store.get_bytes(s["index"]).decode() for s in manifest["shards"]]
+    texts = _index_texts(store, manifest, cache_folder if is_remote(dataset) else None)
     index = _build(urls, texts, manifest["num_classes"])
     index.classes = manifest.get("classes")
     index.max_pixels = manifest.get("parameters", {}).get("image", {}).get("max_pixels") or index.max_pixels
@@ -77,6 +84,24 @@ def load_index(dataset: str) -> DatasetIndex:
         raise DatasetError(f"{dataset}: index files list {len(index)} samples, dataset.json says "
                            f"{manifest['totals']['samples']}")
     return index
+
+
+def _index_texts(store, manifest: dict, cache_folder: str | None) -> list[str]:
+    """The shards' index files, fetched in parallel (one GET each on a store), or the node's copy."""
+    def fetch() -> list[str]:
+        with ThreadPoolExecutor(16) as pool:
+            return list(pool.map(lambda s: store.get_bytes(s["index"]).decode(), manifest["shards"]))
+
+    if cache_folder is None:
+        return fetch()
+    listing = json.dumps(manifest["shards"], sort_keys=True).encode()
+    path = f"{cache_folder}-index-{hashlib.sha1(listing).hexdigest()[:12]}.json"
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with locked(path + ".lock"):
+        if not os.path.exists(path):
+            atomic_write(path, json.dumps(fetch()).encode())
+    with open(path) as f:
+        return json.load(f)
 
 
 def _expand(pattern: str) -> list[str]:

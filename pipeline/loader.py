@@ -18,6 +18,7 @@ import torch
 
 from vitforge.core import CheckpointError
 
+from .cache import cache_spec
 from .index import DatasetError, DatasetIndex, load_index
 from .order import RankSlice, subset_ids
 from .spec import LoaderSpec
@@ -164,7 +165,7 @@ def build_loader(spec: LoaderSpec, rank: int = 0, world_size: int = 1,
     if name == "synthetic":
         backend = SyntheticBackend(spec, synthetic_classes, device)
         return Loader(spec, None, backend, rank, world_size, synthetic_samples, accumulation, ranks_per_node)
-    index = load_index(spec.dataset)
+    index = load_index(spec.dataset, cache_spec(spec, rank // ranks_per_node).folder)
     if spec.subset is not None:
         try:
             index = index.select(subset_ids(len(index), spec.subset, spec.seed))

@@ -367,3 +367,30 @@ def test_resume_from_s3_at_another_world_size(data, s3_server, bucket, monkeypat
         monkeypatch.setenv(key, value)
     assert json.loads(s3_server["client"].get_object(Bucket=bucket, Key="runs/s3ws/step_00000024/manifest.json")
                       ["Body"].read())["world_size"] == 1
+
+
+def test_two_nodes_train_from_s3_through_their_own_shard_caches_like_a_local_run(data, straight, s3_server, bucket,
+                                                                                tmp_path):
+    """torchrun on 2 "nodes" of 1 rank (its --nnodes/--node_rank give each process its node), the
+    training shards in S3: each node fetches its own partition's shards into its own cache folder,
+    and the run trains exactly like the 2-rank run from the local folder."""
+    client = s3_server["client"]
+    for path in sorted((data / "train").iterdir()):
+        if path.is_file():
+            client.put_object(Bucket=bucket, Key=f"train/{path.name}", Body=path.read_bytes())
+    port, logs, cache = str(_port()), tmp_path / "logs", tmp_path / "cache"
+    args = train_args(data, "twonodes", *COMMON, f"checkpoint.log_dir={logs}", f"data.train=s3://{bucket}/train",
+                      f"data.cache_dir={cache}")
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
+                               "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", port,
+                               "-m", "vitforge", "train", *args],
+                              cwd=REPO, env={**os.environ, **EXTENSIONS, **s3_server["env"]}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for node in range(2)]
+    outputs = [node.communicate(timeout=600) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
+    assert losses(logs) == losses(straight)
+    cached = [{p.name.rsplit("-", 2)[0] for p in (cache / f"node{n}").glob("*/*.tar-*")
+               if not p.name.endswith((".lock", ".partial"))} for n in range(2)]
+    shards = {p.name for p in (data / "train").glob("*.tar")}
+    assert cached[0] and cached[1] and cached[0] | cached[1] == shards
+    assert len(cached[0] & cached[1]) <= 1  # only a shard cut between the two nodes' partitions is in both

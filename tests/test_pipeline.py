@@ -487,7 +487,10 @@ def test_nodes_fetch_disjoint_shards_once_each_and_deliver_what_a_local_run_does
         monkeypatch.setenv(key, value)
     try:
         loaders = node_ranks(remote, world, per_node, tmp_path / "cache")
-        counting.requests.clear()  # from here on, the loaders' reads only (not the shard indexes)
+        # Each rank reads dataset.json; one rank per node fetches the 6 shard indexes for the node.
+        paths = Counter(path.rsplit(".", 1)[1] for _, path in counting.requests)
+        assert paths == {"json": world, "idx": 6 * (world // per_node)}
+        counting.requests.clear()  # from here on, the loaders' reads only
         got = run_ranks(loaders)
     finally:
         proxy.shutdown()
