@@ -50,9 +50,11 @@ def cache_spec(spec: LoaderSpec, node: int) -> CacheSpec:
                      spec.shards_ahead)
 
 
-def shard_file_name(url: str, length: int) -> str:
-    """Unique per shard URL and byte count; readable: 'shard-000012.tar-3f2a9c1b-104857600'."""
-    return f"{os.path.basename(url)}-{hashlib.sha1(url.encode()).hexdigest()[:8]}-{length}"
+def shard_file_name(url: str, length: int, sha256: str | None) -> str:
+    """Unique per shard URL, content (when the manifest gives its sha256) and byte count; readable:
+    'train-000012.tar-3f2a9c1b0e4d-104857600'."""
+    tag = hashlib.sha1(f"{url} {sha256}".encode()).hexdigest()[:12]
+    return f"{os.path.basename(url)}-{tag}-{length}"
 
 
 @contextlib.contextmanager
@@ -86,18 +88,18 @@ class ShardCache:
     def requests(self) -> int:
         return sum(store.requests for store in self._stores.values())
 
-    def open(self, url: str, length: int) -> int:
+    def open(self, url: str, length: int, sha256: str | None) -> int:
         """A read-only descriptor of the shard's first `length` bytes, fetched if absent."""
         with self._lock:
             self.opens += 1
-        name = shard_file_name(url, length)
+        name = shard_file_name(url, length, sha256)
         try:
             return os.open(os.path.join(self.spec.folder, name), os.O_RDONLY)
         except FileNotFoundError:
             return self._fetch(url, length, name, keep_open=True)
 
-    def prefetch(self, url: str, length: int) -> None:
-        name = shard_file_name(url, length)
+    def prefetch(self, url: str, length: int, sha256: str | None) -> None:
+        name = shard_file_name(url, length, sha256)
         if not os.path.exists(os.path.join(self.spec.folder, name)):
             self._fetch(url, length, name, keep_open=False)
 

@@ -21,13 +21,13 @@ from __future__ import annotations
 import io
 import logging
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
 import numpy as np
 import torch
 from PIL import Image
 
+from .ahead import read_ahead
 from .index import DatasetIndex
 from .order import RankSlice
 from .reader import RawBatch, raw_batches
@@ -80,19 +80,6 @@ def _graph(spec: LoaderSpec, device_id: int | None, feed: Feed, overlap: bool):
     pipe = graph()
     pipe.build()
     return pipe
-
-
-def read_ahead(items: Iterator) -> Iterator:
-    """The same items, each produced in one thread while the previous one is consumed; closing
-    this closes `items` too (in the consumer's thread, once the producing thread is idle)."""
-    try:
-        with ThreadPoolExecutor(1, thread_name_prefix="read-ahead") as ahead:
-            pending = ahead.submit(next, items, None)
-            while (item := pending.result()) is not None:
-                pending = ahead.submit(next, items, None)
-                yield item
-    finally:
-        getattr(items, "close", lambda: None)()
 
 
 def strictly_decodes(data: bytes) -> bool:

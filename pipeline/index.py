@@ -48,6 +48,9 @@ class DatasetIndex:
     # Larger images are bad samples (decompression bombs): the sharder's --max-pixels, or
     # Pillow's default guard for shards made elsewhere.
     max_pixels: int = Image.MAX_IMAGE_PIXELS
+    # Each shard's sha256 from dataset.json (None for tars made elsewhere): a cached copy of a shard
+    # is only ever one of these bytes, even when a dataset is rewritten at the same URL.
+    shard_sha256: list[str] | None = None
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -57,7 +60,8 @@ class DatasetIndex:
         columns = {k: getattr(self, k)[ids] for k in ("shard", "start", "length", "image_at", "image_len",
                                                        "label_at", "label_len")}
         return DatasetIndex(self.shard_urls, keys=[self.keys[i] for i in ids], num_classes=self.num_classes,
-                            classes=self.classes, max_pixels=self.max_pixels, **columns)
+                            classes=self.classes, max_pixels=self.max_pixels, shard_sha256=self.shard_sha256,
+                            **columns)
 
 
 def load_index(dataset: str, cache_folder: str | None = None) -> DatasetIndex:
@@ -79,6 +83,7 @@ def load_index(dataset: str, cache_folder: str | None = None) -> DatasetIndex:
     texts = _index_texts(store, manifest, cache_folder if is_remote(dataset) else None)
     index = _build(urls, texts, manifest["num_classes"])
     index.classes = manifest.get("classes")
+    index.shard_sha256 = [s["sha256"] for s in manifest["shards"]]
     index.max_pixels = manifest.get("parameters", {}).get("image", {}).get("max_pixels") or index.max_pixels
     if len(index) != manifest["totals"]["samples"]:
         raise DatasetError(f"{dataset}: index files list {len(index)} samples, dataset.json says "

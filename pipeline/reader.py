@@ -93,7 +93,7 @@ class SampleReader:
         if self.remote:
             if cache is None or node_future is None:
                 raise ValueError("object-store shards are read through a shard cache")
-            names = {shard_file_name(u, int(self._lengths[s])): s for s, u in enumerate(index.shard_urls)}
+            names = {shard_file_name(*self._identity(s)): s for s in range(len(index.shard_urls))}
             self._cache = ShardCache(cache, lambda name: node_future.next_use(names.get(name), self._batch_position))
             self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="shard-prefetch")
 
@@ -139,8 +139,13 @@ class SampleReader:
         wanted = min(len(self._upcoming), self._known[self._batch] + self._cache.spec.ahead)
         while self._submitted < wanted:
             shard = self._upcoming[self._submitted]
-            self._prefetcher.submit(self._cache.prefetch, self.index.shard_urls[shard], int(self._lengths[shard]))
+            self._prefetcher.submit(self._cache.prefetch, *self._identity(shard))
             self._submitted += 1
+
+    def _identity(self, shard: int) -> tuple[str, int, str | None]:
+        """(URL, bytes needed, sha256 or None): what names a shard in the cache."""
+        sha256 = self.index.shard_sha256[shard] if self.index.shard_sha256 else None
+        return self.index.shard_urls[shard], int(self._lengths[shard]), sha256
 
     def _read_one(self, sample: int) -> bytes:
         index = self.index
@@ -148,7 +153,7 @@ class SampleReader:
         fd = self._fds.get(shard)
         if fd is None:
             url = index.shard_urls[shard]
-            fd = self._fds[shard] = (self._cache.open(url, int(self._lengths[shard])) if self._cache is not None
+            fd = self._fds[shard] = (self._cache.open(*self._identity(shard)) if self._cache is not None
                                      else os.open(url.removeprefix("file://"), os.O_RDONLY))
         data = os.pread(fd, length, start)
         if len(data) != length:

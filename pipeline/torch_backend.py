@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import io
 import math
+import os
 
 import numpy as np
 import simplejpeg
 import torch
 from PIL import Image
 
+from .ahead import read_ahead
 from .index import DatasetIndex
 from .order import RankSlice
 from .reader import RawBatch, raw_batches
@@ -85,6 +87,12 @@ class _Batches(torch.utils.data.IterableDataset):
             yield batch
 
 
+def _lower_priority(_worker: int) -> None:
+    """Decode workers yield the CPU to the training process's own thread: when they fill every core,
+    the step's thread would otherwise wait for a time slice each time it wakes up."""
+    os.nice(5)
+
+
 class TorchBackend:
     name = "torch"
 
@@ -99,9 +107,16 @@ class TorchBackend:
         workers = self.spec.workers
         loader = torch.utils.data.DataLoader(
             _Batches(self.index, self.spec, epoch, rank_slice, normalise_here=not on_gpu), batch_size=None,
-            num_workers=workers, prefetch_factor=self.spec.prefetch if workers else None, pin_memory=on_gpu)
-        for batch in loader:
-            images = self.normalise(batch["image"].to(self.device, non_blocking=True)) if on_gpu else batch["image"]
-            yield {"image": images, "label": batch["label"].to(self.device, non_blocking=True), "key": batch["key"],
-                   "bad": batch["bad"], "reads": batch["reads"]}
+            num_workers=workers, prefetch_factor=self.spec.prefetch if workers else None, pin_memory=on_gpu,
+            worker_init_fn=_lower_priority)
+        if on_gpu:
+            for batch in loader:
+                yield {"image": self.normalise(batch["image"].to(self.device, non_blocking=True)),
+                       "label": batch["label"].to(self.device, non_blocking=True), "key": batch["key"],
+                       "bad": batch["bad"], "reads": batch["reads"]}
+        else:
+            # Receiving a batch from a worker (unpickling, mapping its shared memory) takes a few ms of
+            # the consumer's thread for a large batch; a thread takes it while the step runs. (On a
+            # GPU the DataLoader's pin-memory thread already does.)
+            yield from read_ahead(iter(loader)) if workers else loader
 

@@ -259,7 +259,7 @@ def test_missing_shard_fails_naming_it(dataset, tmp_path):
             pass
 
 
-def test_reads_shards_from_s3_whole_through_the_node_cache(dataset, truth, s3_server, s3_env, tmp_path):
+def test_reads_shards_from_s3_whole_through_the_node_cache(dataset, truth, s3_server, s3_env, tmp_path, wide_bucket):
     bucket = "ld-" + uuid.uuid4().hex[:10]
     client = s3_server["client"]
     client.create_bucket(Bucket=bucket)
@@ -281,6 +281,14 @@ def test_reads_shards_from_s3_whole_through_the_node_cache(dataset, truth, s3_se
     again = build_loader(remote)
     assert [k for b in again for k in b["key"]] == [k for b in build_loader(remote) for k in b["key"]]
     assert again.stats()["store_requests"] == 0 and again.stats()["cache_hit_rate"] == 1.0
+    # Another dataset written over the same URL (same shard names): the cache never serves the old bytes.
+    for path in sorted(wide_bucket[0].iterdir()):
+        if path.is_file():
+            client.put_object(Bucket=bucket, Key=f"shards/{path.name}", Body=path.read_bytes())
+    rewritten = [(b["key"], b["image"]) for b in build_loader(remote)]
+    expected = [(b["key"], b["image"]) for b in build_loader(spec(wide_bucket[0], backend="torch", train=False))]
+    assert [k for k, _ in rewritten] == [k for k, _ in expected]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(rewritten, expected))
     bench = vitforge("loader-bench", f"s3://{bucket}/shards", "--backend", "torch", "--batch", "8", "--steps", "10",
                      "--image-size", "32", "--workers", "0", "--cache-dir", str(tmp_path / "bench"), env=s3_env)
     assert "object store: 67 GETs per 1,000 images" in bench.stdout and "KiB read per image" in bench.stdout
@@ -553,7 +561,8 @@ def test_a_full_cache_removes_what_the_order_needs_last_and_a_dead_fetch_leaves_
     folder = cache_spec(loaders[0].spec, 0).folder
     os.makedirs(folder)
     index = loaders[0].index
-    stale = os.path.join(folder, shard_file_name(index.shard_urls[0], int(shard_lengths(index)[0])) + ".partial")
+    name = shard_file_name(index.shard_urls[0], int(shard_lengths(index)[0]), index.shard_sha256[0])
+    stale = os.path.join(folder, name + ".partial")
     Path(stale).write_bytes(b"half a shard from a fetch that was killed")
     got, fetched = [[], []], []
     try:
