@@ -281,6 +281,10 @@ def test_reads_shards_from_s3_whole_through_the_node_cache(dataset, truth, s3_se
     again = build_loader(remote)
     assert [k for b in again for k in b["key"]] == [k for b in build_loader(remote) for k in b["key"]]
     assert again.stats()["store_requests"] == 0 and again.stats()["cache_hit_rate"] == 1.0
+    bench = vitforge("loader-bench", f"s3://{bucket}/shards", "--backend", "torch", "--batch", "8", "--steps", "10",
+                     "--image-size", "32", "--workers", "0", "--cache-dir", str(tmp_path / "bench"), env=s3_env)
+    assert "object store: 67 GETs per 1,000 images" in bench.stdout and "KiB read per image" in bench.stdout
+    assert "shard cache: 8 shard opens, 8 fetched, cache hit rate 0%" in bench.stdout
     # Another dataset written over the same URL (same shard names): the cache never serves the old bytes.
     for path in sorted(wide_bucket[0].iterdir()):
         if path.is_file():
@@ -289,10 +293,6 @@ def test_reads_shards_from_s3_whole_through_the_node_cache(dataset, truth, s3_se
     expected = [(b["key"], b["image"]) for b in build_loader(spec(wide_bucket[0], backend="torch", train=False))]
     assert [k for k, _ in rewritten] == [k for k, _ in expected]
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(rewritten, expected))
-    bench = vitforge("loader-bench", f"s3://{bucket}/shards", "--backend", "torch", "--batch", "8", "--steps", "10",
-                     "--image-size", "32", "--workers", "0", "--cache-dir", str(tmp_path / "bench"), env=s3_env)
-    assert "object store: 67 GETs per 1,000 images" in bench.stdout and "KiB read per image" in bench.stdout
-    assert "shard cache: 8 shard opens, 8 fetched, cache hit rate 0%" in bench.stdout
 
 
 def test_synthetic_and_auto():
