@@ -108,7 +108,10 @@ class TorchBackend:
         loader = torch.utils.data.DataLoader(
             _Batches(self.index, self.spec, epoch, rank_slice, normalise_here=not on_gpu), batch_size=None,
             num_workers=workers, prefetch_factor=self.spec.prefetch if workers else None, pin_memory=on_gpu,
-            worker_init_fn=_lower_priority)
+            worker_init_fn=_lower_priority,
+            # Its own generator: each DataLoader iterator draws a seed, which from the global RNG would
+            # shift the dropout masks of a resumed run (it starts one more iterator than the original).
+            generator=torch.Generator().manual_seed(self.spec.seed))
         if on_gpu:
             for batch in loader:
                 yield {"image": self.normalise(batch["image"].to(self.device, non_blocking=True)),

@@ -183,6 +183,9 @@ def test_shipped_recipes_validate():
     assert finetune.model.image_size == 518 and finetune.train.ema_decay == 0.9999
     assert finetune.optimizer.name == "sgd" and finetune.optimizer.schedule == "cosine"
     assert pretrain.accumulation(64) == 1 and finetune.accumulation(64) == 1
+    deit = load_config("vit_b16_in1k")
+    assert (deit.augment.mixup, deit.augment.cutmix, deit.augment.label_smoothing) == (0.8, 1.0, 0.1)
+    assert deit.model.drop_path == 0.1 and deit.optimizer.weight_decay == 0.05 and deit.accumulation(8) == 1
 
 
 def test_slurm_variables_map_to_torch_ones():

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from vitforge.core import UsageError
 from vitforge.core.settings import load_validated
@@ -29,7 +29,10 @@ class ModelConfig(Strict):
     name: str = "vit_base_patch16_224"  # a timm name, or one of trainer.model.TINY_MODELS
     image_size: int = Field(224, ge=8)
     num_classes: int | None = Field(None, ge=1)  # None: from the training set's dataset.json
-    drop_path: float = Field(0.0, ge=0, lt=1)
+    drop_path: float = Field(0.0, ge=0, lt=1)  # stochastic depth, the deepest block's rate (linear in depth)
+    # Dropout after the position embeddings and after every dense layer but the qkv projection (ViT
+    # paper, appendix B.1: 0.1 for ViT-B/L on ImageNet-1k from scratch, 0 on JFT)
+    dropout: float = Field(0.0, ge=0, lt=1)
     grad_checkpointing: bool = False
 
 
@@ -55,6 +58,29 @@ class DataConfig(Strict):
     cache_gb: float = Field(32.0, gt=0)  # per node and dataset; what the order needs last goes first
     read_block_mb: float = Field(16.0, gt=0)
     shards_ahead: int = Field(2, ge=0)  # shards fetched ahead of need, per reader
+
+
+class AugmentConfig(Strict):
+    """Training-time augmentation and regularisation. Crops and flips are decided per (seed, epoch,
+    position) by the loader; Mixup/CutMix per (seed, step, micro-batch, rank) on the device batch:
+    a resumed run augments exactly as an uninterrupted one."""
+
+    crop_scale: tuple[float, float] = (0.08, 1.0)  # random-resized-crop area fraction (Inception crop)
+    crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)  # its aspect-ratio range
+    flip: bool = True  # horizontal flip with probability 1/2
+    label_smoothing: float = Field(0.0, ge=0, lt=1)
+    mixup: float = Field(0.0, ge=0)  # Mixup's Beta(alpha, alpha); 0 = off
+    cutmix: float = Field(0.0, ge=0)  # CutMix's Beta(alpha, alpha); 0 = off
+    mix_prob: float = Field(1.0, ge=0, le=1)  # share of micro-batches mixed
+    switch_prob: float = Field(0.5, ge=0, le=1)  # with both on: the share that use CutMix
+
+    @model_validator(mode="after")
+    def _ranges(self):
+        if not 0 < self.crop_scale[0] <= self.crop_scale[1] <= 1:
+            raise ValueError(f"crop_scale must satisfy 0 < min <= max <= 1, not {list(self.crop_scale)}")
+        if not 0 < self.crop_ratio[0] <= self.crop_ratio[1]:
+            raise ValueError(f"crop_ratio must satisfy 0 < min <= max, not {list(self.crop_ratio)}")
+        return self
 
 
 class OptimizerConfig(Strict):
@@ -141,6 +167,7 @@ class CheckpointConfig(Strict):
 class Config(Strict):
     model: ModelConfig = ModelConfig()
     data: DataConfig
+    augment: AugmentConfig = AugmentConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     train: TrainConfig
     checkpoint: CheckpointConfig = CheckpointConfig()

@@ -35,13 +35,16 @@ def check_model_name(name: str) -> None:
                           f"{'; timm has e.g. ' + ', '.join(close) if close else ''})")
 
 
-def build_model(name: str, num_classes: int, image_size: int, drop_path: float = 0.0) -> VisionTransformer:
+def build_model(name: str, num_classes: int, image_size: int, drop_path: float = 0.0,
+                dropout: float = 0.0) -> VisionTransformer:
+    # The paper's dropout: after the position embeddings and every dense layer except qkv (timm's
+    # proj_drop covers the attention output and MLP layers, drop_rate the input of the head).
+    regularisation = dict(drop_path_rate=drop_path, pos_drop_rate=dropout, proj_drop_rate=dropout, drop_rate=dropout)
     if name in TINY_MODELS:
-        return VisionTransformer(img_size=image_size, num_classes=num_classes, drop_path_rate=drop_path,
-                                 **TINY_MODELS[name])
+        return VisionTransformer(img_size=image_size, num_classes=num_classes, **regularisation, **TINY_MODELS[name])
     try:
         return timm.create_model(name, pretrained=False, num_classes=num_classes, img_size=image_size,
-                                 drop_path_rate=drop_path)
+                                 **regularisation)
     except RuntimeError as e:
         raise ConfigError(f"model.name {name!r}: {e}") from None
 

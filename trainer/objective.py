@@ -17,7 +17,11 @@ from vitforge.pipeline import IGNORE_LABEL
 
 def masked_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over real labels only (-1: replaced or padding samples); 0 when there are
-    none. No data-dependent branch, so no device sync."""
+    none. `labels`: class ids, or soft targets (one row per sample; all zeros for a sample to
+    ignore), weighted by each row's mass. No data-dependent branch, so no device sync."""
+    if labels.is_floating_point():
+        total = -(labels * F.log_softmax(logits.float(), dim=1)).sum()
+        return total / labels.sum().clamp(min=1)
     total = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_LABEL, reduction="sum")
     return total / (labels != IGNORE_LABEL).sum().clamp(min=1)
 

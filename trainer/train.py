@@ -31,6 +31,7 @@ from .engine import build_engine, learning_rate
 from .export import consolidate, load_exact
 from .metrics import MetricsLog
 from .model import PEAK_FLOPS, adapt_state_dict, build_model, check_model_name, forward_flops
+from .mixing import Mixing, mix_batch
 from .objective import OBJECTIVES, Objective
 from .preemption import StopRequest
 from .run_store import METRICS, tag_for
@@ -89,13 +90,14 @@ def _seed_everything(seed: int) -> None:
 
 
 def build_data_loader(cfg: Config, source: str, train: bool, env, device):
+    crops = {"scale": cfg.augment.crop_scale, "ratio": cfg.augment.crop_ratio, "flip": cfg.augment.flip} if train else {}
     spec = LoaderSpec(source, batch_size=cfg.train.micro_batch, image_size=cfg.model.image_size, train=train,
                       backend="synthetic" if source == "synthetic" else cfg.data.backend, seed=cfg.data.seed,
                       workers=cfg.data.workers, prefetch=cfg.data.prefetch, subset=cfg.data.subset if train else None,
                       overlap={"auto": None, "on": True, "off": False}[cfg.data.overlap],
                       dtype="bfloat16" if cfg.train.precision == "bf16" else "float32",
                       partitions=cfg.data.partitions, cache_dir=cfg.data.cache_dir, cache_gb=cfg.data.cache_gb,
-                      read_block_mb=cfg.data.read_block_mb, shards_ahead=cfg.data.shards_ahead)
+                      read_block_mb=cfg.data.read_block_mb, shards_ahead=cfg.data.shards_ahead, **crops)
     return build_loader(spec, env.rank, env.world_size, device, synthetic_classes=cfg.model.num_classes or 1000,
                         accumulation=cfg.accumulation(env.world_size) if train else 1,
                         ranks_per_node=env.local_world_size)
@@ -137,6 +139,9 @@ class Trainer:
         self.accumulation = cfg.accumulation(env.world_size)
         self.end = min(cfg.train.steps, cfg.train.stop_at or cfg.train.steps)
         self.flops_per_image = 3 * forward_flops(engine.module)  # forward + backward
+        aug = cfg.augment
+        self.mixing = Mixing(engine.module.num_classes, cfg.data.seed, aug.mixup, aug.cutmix, aug.mix_prob,
+                             aug.switch_prob, aug.label_smoothing)
         self.peak = peak_flops(device)
         self.stop = stop
         self.window = Window(torch.zeros((), device=device))
@@ -172,7 +177,11 @@ class Trainer:
         lr = learning_rate(self.cfg, self.state.step)
         for group in self.engine.optimizer.param_groups:
             group["lr"] = lr
-        loss = self.objective.loss(self.engine(batch["image"]), batch["label"])
+        images, targets = batch["image"], batch["label"]
+        if self.mixing.soft:
+            images, targets = mix_batch(images, targets, self.mixing, self.state.step,
+                                        self.state.micro % self.accumulation, self.env.rank)
+        loss = self.objective.loss(self.engine(images), targets)
         self.engine.backward(loss)
         self.engine.step()
         self.window.loss += loss.detach().float()  # summed on the device: no sync per micro-step
@@ -369,7 +378,7 @@ def _build(cfg: Config, env, device, stop: StopRequest) -> tuple[Trainer, Checkp
             config = cfg.model_copy(update={"deepspeed": {**cfg.deepspeed, "checkpoint": {
                 **cfg.deepspeed.get("checkpoint", {}), "load_universal": True}}})
         return build_engine(config, lambda: build_model(cfg.model.name, num_classes, cfg.model.image_size,
-                                                        cfg.model.drop_path), env.world_size)
+                                                        cfg.model.drop_path, cfg.model.dropout), env.world_size)
 
     if cfg.train.ema_decay is not None and cfg.train.zero_stage == 3:
         raise ConfigError("train.ema_decay needs train.zero_stage <= 2 (ZeRO-3 partitions the weights)")
