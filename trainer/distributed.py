@@ -28,7 +28,8 @@ class DistEnv:
 
 
 def first_host(nodelist: str) -> str:
-    """The first host of a SLURM node list such as 'gpu[07-09,12],cpu1' (what `scontrol show hostnames` prints first)."""
+    """The first host of a SLURM node list such as 'gpu[07-09,12],cpu1' (what `scontrol show hostnames`
+    prints first)."""
     match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
     if not match:
         raise ValueError(f"cannot read SLURM node list {nodelist!r}")
