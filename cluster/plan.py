@@ -58,7 +58,7 @@ def model_size(model: str, image_size: int) -> tuple[float, int]:
     training = 3 x forward (the backward pass costs twice the forward)."""
     with torch.device("meta"):
         net = build_model(model, 1000, image_size)
-    return 3 * forward_flops(net), sum(p.numel() for p in net.parameters())
+    return 3 * forward_flops(model, image_size), sum(p.numel() for p in net.parameters())
 
 
 def throughput(flops_per_image: float, peak: float, mfu: float) -> float:

@@ -122,3 +122,23 @@ def test_real_digits_reach_90_percent_with_a_narrower_crop_and_no_flip(digits):
     final = json.loads(result.stdout.strip().splitlines()[-1])
     assert final["eval_samples"] == 397 and final["eval_top1"] >= 0.90, final
     assert run.exists()
+
+
+def test_a_tiny_hybrid_trains_and_exports(data, tmp_path):
+    """The ResNet-stem hybrid through the same trainer, checkpoint and export as a plain ViT."""
+    from safetensors.torch import load_file
+
+    from vitforge.trainer import build_model
+
+    logs = tmp_path / "logs"
+    train(data, "hybrid", "model.name=vit_hybrid_tiny_cpu", "train.steps=6", "train.log_every=1",
+          "train.checkpoint_every=6", "data.val=null", f"checkpoint.log_dir={logs}")
+    trained = losses(logs)
+    assert sorted(trained) == list(range(1, 7)) and all(np.isfinite(list(trained.values())))
+    first = json.loads((logs / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["images_per_s"] > 0
+    out = tmp_path / "hybrid.safetensors"
+    vitforge("ckpt", "export", data / "runs" / "hybrid", "--out", out)
+    model = build_model("vit_hybrid_tiny_cpu", 10, 32)
+    model.load_state_dict(load_file(out), strict=True)
+    assert any(k.startswith("patch_embed.backbone.stem") for k in load_file(out))

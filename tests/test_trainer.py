@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
 
 from conftest import EXTENSIONS, train, train_args, vitforge
-from vitforge.trainer import PAPER_PARAMETERS, adapt_state_dict, build_model, forward_flops, load_config, parameter_count
+from vitforge.trainer import (PAPER_PARAMETERS, adapt_state_dict, build_model, forward_flops, load_config,
+                              parameter_count)
 
 def metrics(data, run: str) -> list[dict]:
     return [json.loads(line) for line in (data / "runs" / run / "metrics.jsonl").read_text().splitlines()]
@@ -31,10 +33,37 @@ def test_parameter_counts_match_the_paper():
         assert abs(parameter_count(name) - paper) / paper < 0.015, name
 
 
-def test_vit_h14_flops_per_image():
+def analytic_vit_flops(model) -> float:
+    """The ViT count by hand (2 x multiply-adds): per block QKV and output projections 4*N*D^2, MLP
+    2*N*D*H, attention scores and values 2*N^2*D; plus the patch embedding and the head."""
+    dim, patches = model.embed_dim, model.patch_embed.num_patches
+    tokens, hidden = patches + model.num_prefix_tokens, model.blocks[0].mlp.fc1.out_features
+    per_block = 4 * tokens * dim * dim + 2 * tokens * dim * hidden + 2 * tokens * tokens * dim
+    patch_embed = patches * dim * math.prod(model.patch_embed.proj.weight.shape[1:])
+    return 2.0 * (len(model.blocks) * per_block + patch_embed + dim * model.num_classes)
+
+
+@pytest.mark.parametrize("name,size", [("vit_tiny_cpu", 32), ("vit_base_patch16_224", 224),
+                                       ("vit_huge_patch14_224", 224), ("vit_huge_patch14_224", 518)])
+def test_counted_flops_equal_the_analytic_vit_count(name, size):
     with torch.device("meta"):
-        model = build_model("vit_huge_patch14_224", 1000, 224)
-    assert abs(forward_flops(model) / 2 - 167.4e9) / 167.4e9 < 0.005
+        model = build_model(name, 1000, size)
+    assert forward_flops(name, size) == analytic_vit_flops(model)
+    if (name, size) == ("vit_huge_patch14_224", 224):
+        assert abs(forward_flops(name, size) / 2 - 167.4e9) / 167.4e9 < 0.005  # the paper's 167.4 GMACs
+
+
+@pytest.mark.parametrize("name,size", [("vit_hybrid_tiny_cpu", 32), ("vit_base_r50_s16_224", 224)])
+def test_a_hybrid_counts_its_resnet_stem_too(name, size):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.device("meta"):
+        model = build_model(name, 1000, size)
+        images = torch.empty(1, 3, size, size)
+    with FlopCounterMode(display=False) as stem:
+        model.patch_embed.backbone(images)
+    assert stem.get_total_flops() > 0.1 * analytic_vit_flops(model)  # a stem worth counting
+    assert forward_flops(name, size) == stem.get_total_flops() + analytic_vit_flops(model)
 
 
 def test_position_embeddings_interpolate_for_higher_resolution():

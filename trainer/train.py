@@ -139,7 +139,8 @@ class Trainer:
         self.state = TrainState()
         self.accumulation = cfg.accumulation(env.world_size)
         self.end = min(cfg.train.steps, cfg.train.stop_at or cfg.train.steps)
-        self.flops_per_image = 3 * forward_flops(engine.module)  # forward + backward
+        self.flops_per_image = 3 * forward_flops(cfg.model.name, cfg.model.image_size,
+                                                 engine.module.num_classes)  # forward + backward
         aug = cfg.augment
         self.mixing = Mixing(engine.module.num_classes, cfg.data.seed, aug.mixup, aug.cutmix, aug.mix_prob,
                              aug.switch_prob, aug.label_smoothing)
