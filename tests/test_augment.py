@@ -142,3 +142,13 @@ def test_a_tiny_hybrid_trains_and_exports(data, tmp_path):
     model = build_model("vit_hybrid_tiny_cpu", 10, 32)
     model.load_state_dict(load_file(out), strict=True)
     assert any(k.startswith("patch_embed.backbone.stem") for k in load_file(out))
+
+
+def test_pre_training_with_the_paper_head_then_fine_tuning_with_a_zero_classifier(data):
+    pre = train(data, "prelogits", "model.pre_logits=true", "train.steps=4", "train.checkpoint_every=4",
+                "data.val=null")
+    assert pre.returncode == 0
+    tuned = train(data, "prelogits_ft", "train.steps=2", "data.val=null", "optimizer.name=sgd",
+                  f"checkpoint.init_from={data / 'runs' / 'prelogits'}")
+    assert "head.pre_logits.weight dropped (the pre-training head's representation layer)" in tuned.stderr
+    assert "head.fc.weight dropped" in tuned.stderr and "head.weight (10, 64) zero-initialised" in tuned.stderr

@@ -214,6 +214,7 @@ def test_shipped_recipes_validate():
     assert pretrain.accumulation(64) == 1 and finetune.accumulation(64) == 1
     deit = load_config("vit_b16_in1k")
     assert (deit.augment.mixup, deit.augment.cutmix, deit.augment.label_smoothing) == (0.8, 1.0, 0.1)
+    assert pretrain.model.pre_logits and not finetune.model.pre_logits and not deit.model.pre_logits
     assert deit.model.drop_path == 0.1 and deit.optimizer.weight_decay == 0.05 and deit.accumulation(8) == 1
 
 
@@ -282,3 +283,26 @@ def test_a_subset_trains_on_part_of_the_data_and_evaluates_on_all_of_it(data):
     bad = vitforge("train", *train_args(data, "subset_bad", "data.subset=5000", "train.steps=2"), env=EXTENSIONS,
                    check=False)
     assert bad.returncode == 2 and "subset 5000 selects 5000 of 400 samples" in bad.stderr
+
+
+def test_the_pre_training_head_is_dropped_for_a_zero_initialised_classifier():
+    """Paper section 3.1: pre-train with a tanh pre-logits layer; fine-tune with one zero-initialised
+    linear layer, the rest of the network as it was."""
+    torch.manual_seed(0)
+    pretrained = build_model("vit_tiny_cpu", 10, 32, pre_logits=True)
+    assert {k for k in pretrained.state_dict() if k.startswith("head.")} == {
+        "head.pre_logits.weight", "head.pre_logits.bias", "head.fc.weight", "head.fc.bias"}
+    images = torch.randn(3, 3, 32, 32)
+    hidden = torch.tanh(pretrained.head.pre_logits(pretrained.forward_head(pretrained.forward_features(images),
+                                                                           pre_logits=True)))
+    assert torch.allclose(pretrained(images), pretrained.head.fc(hidden))
+    tuned = build_model("vit_tiny_cpu", 7, 32)
+    state, changed = adapt_state_dict(pretrained.state_dict(), tuned)
+    assert "head.pre_logits.weight dropped (the pre-training head's representation layer)" in changed
+    assert "head.weight (7, 64) zero-initialised for 7 classes" in changed
+    tuned.load_state_dict(state, strict=True)
+    assert torch.count_nonzero(tuned.head.weight) == 0 and torch.count_nonzero(tuned.head.bias) == 0
+    assert torch.equal(tuned.forward_features(images), pretrained.forward_features(images))
+    again = build_model("vit_tiny_cpu", 10, 32, pre_logits=True)
+    kept, changed = adapt_state_dict(pretrained.state_dict(), again)
+    assert changed == [] and all(torch.equal(kept[k], v) for k, v in pretrained.state_dict().items())

@@ -33,6 +33,9 @@ class ModelConfig(Strict):
     # Dropout after the position embeddings and after every dense layer but the qkv projection (ViT
     # paper, appendix B.1: 0.1 for ViT-B/L on ImageNet-1k from scratch, 0 on JFT)
     dropout: float = Field(0.0, ge=0, lt=1)
+    # The paper's pre-training head: one hidden tanh layer before the classifier (section 3.1);
+    # fine-tuning (checkpoint.init_from) replaces it with a zero-initialised linear classifier.
+    pre_logits: bool = False
     grad_checkpointing: bool = False
 
 

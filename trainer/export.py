@@ -82,6 +82,7 @@ def model_description(manifest: dict) -> dict:
     """What a user needs beside the weights: the timm name, the input and the class map."""
     model = manifest.get("config", {}).get("model", {})
     return {"model": model.get("name"), "image_size": model.get("image_size"),
+            "pre_logits": model.get("pre_logits", False),
             "num_classes": manifest.get("num_classes"), "classes": manifest.get("classes"),
             "mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD), "step": manifest.get("step")}
 

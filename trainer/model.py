@@ -45,8 +45,29 @@ def check_model_name(name: str) -> None:
                           f"{'; timm has e.g. ' + ', '.join(close) if close else ''})")
 
 
-def build_model(name: str, num_classes: int, image_size: int, drop_path: float = 0.0,
-                dropout: float = 0.0) -> VisionTransformer:
+class PreLogitsHead(torch.nn.Module):
+    """The paper's pre-training head (section 3.1, appendix B.1.1): an MLP with one hidden tanh
+    layer, the "representation" (pre-logits) layer, then the classifier."""
+
+    def __init__(self, dim: int, num_classes: int):
+        super().__init__()
+        self.pre_logits = torch.nn.Linear(dim, dim)
+        self.fc = torch.nn.Linear(dim, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.tanh(self.pre_logits(x)))
+
+
+def build_model(name: str, num_classes: int, image_size: int, drop_path: float = 0.0, dropout: float = 0.0,
+                pre_logits: bool = False) -> VisionTransformer:
+    """`pre_logits`: the paper's pre-training head instead of a single linear classifier."""
+    model = _build(name, num_classes, image_size, drop_path, dropout)
+    if pre_logits:
+        model.head = PreLogitsHead(model.embed_dim, num_classes)
+    return model
+
+
+def _build(name: str, num_classes: int, image_size: int, drop_path: float, dropout: float) -> VisionTransformer:
     # The paper's dropout: after the position embeddings and every dense layer except qkv (timm's
     # proj_drop covers the attention output and MLP layers, drop_rate the input of the head).
     regularisation = dict(drop_path_rate=drop_path, pos_drop_rate=dropout, proj_drop_rate=dropout, drop_rate=dropout)
@@ -85,7 +106,8 @@ def forward_flops(name: str, image_size: int, num_classes: int = 1000) -> float:
 
 def adapt_state_dict(state: dict, model: VisionTransformer) -> tuple[dict, list[str]]:
     """Fit a ViT state dict to `model`: resample position embeddings to its patch grid (2D,
-    bicubic, as the ViT paper fine-tunes at higher resolution) and drop a head of another size.
+    bicubic, as the ViT paper fine-tunes at higher resolution) and replace a head of another size
+    or shape with a zero-initialised classifier.
     Returns the state dict and what was changed."""
     state = dict(state)
     changed = []
@@ -96,10 +118,16 @@ def adapt_state_dict(state: dict, model: VisionTransformer) -> tuple[dict, list[
                                                     num_prefix_tokens=model.num_prefix_tokens)
         side = int(math.isqrt(old))
         changed.append(f"pos_embed {side}x{side} -> {'x'.join(map(str, model.patch_embed.grid_size))}")
-    for key in ("head.weight", "head.bias"):
-        if key in state and state[key].shape != target[key].shape:
-            state[key] = target[key]
-            changed.append(f"{key} {tuple(state[key].shape)} reinitialised for {model.num_classes} classes")
+    # Fine-tuning (paper section 3.1): the pre-training head goes, pre-logits layer included, and a
+    # zero-initialised classifier for the new classes takes its place.
+    for key in sorted(k for k in {*state, *target} if k.startswith("head.")):
+        if key not in target:
+            del state[key]
+            changed.append(f"{key} dropped (the pre-training head's representation layer)")
+        elif key not in state or state[key].shape != target[key].shape:
+            state[key] = target[key] if key.startswith("head.pre_logits.") else torch.zeros_like(target[key])
+            how = "initialised" if key.startswith("head.pre_logits.") else "zero-initialised"
+            changed.append(f"{key} {tuple(target[key].shape)} {how} for {model.num_classes} classes")
     return state, changed
 
 

@@ -380,7 +380,8 @@ def _build(cfg: Config, env, device, stop: StopRequest) -> tuple[Trainer, Checkp
             config = cfg.model_copy(update={"deepspeed": {**cfg.deepspeed, "checkpoint": {
                 **cfg.deepspeed.get("checkpoint", {}), "load_universal": True}}})
         return build_engine(config, lambda: build_model(cfg.model.name, num_classes, cfg.model.image_size,
-                                                        cfg.model.drop_path, cfg.model.dropout), env.world_size)
+                                                        cfg.model.drop_path, cfg.model.dropout, cfg.model.pre_logits),
+                            env.world_size)
 
     if cfg.train.ema_decay is not None and cfg.train.zero_stage == 3:
         raise ConfigError("train.ema_decay needs train.zero_stage <= 2 (ZeRO-3 partitions the weights)")
@@ -458,7 +459,8 @@ def run_eval(cfg: Config, checkpoint_url: str, model_overrides: set[str]) -> dic
             eval_cfg = cfg.model_copy(update={"model": model_cfg})
             val_loader = build_data_loader(eval_cfg, cfg.data.val, False, env, device)
             _check_classes(weights.manifest.get("classes"), getattr(val_loader.index, "classes", None))
-            model = build_model(model_cfg.name, num_classes, model_cfg.image_size).to(device)
+            model = build_model(model_cfg.name, num_classes, model_cfg.image_size,
+                                pre_logits=model_cfg.pre_logits).to(device)
             load_exact(model, weights.state, weights.url)
             result = {"checkpoint": weights.url, "weights": weights.weights,
                       **evaluate(model, val_loader, OBJECTIVES[weights.manifest.get("objective", "classification")])}
