@@ -25,6 +25,7 @@ commands:
   train          train a ViT with DeepSpeed ZeRO from a YAML recipe (--set key=value overrides)
   eval           evaluate a checkpoint (local or s3://) on held-out shards
   ckpt           list, verify or export a run's checkpoints (ckpt list | verify | export)
+  inspect        the ViT paper's figures for a checkpoint: position embeddings, filters, attention
   submit         render a launch spec to an sbatch script and submit it (--dry-run prints it)
   status | logs | cancel JOB   a submitted job's state, its log (-f follows), cancel or signal it
   plan           capacity planner: throughput, time, GPU-hours, decode cores, store traffic, checkpoint interval
@@ -61,6 +62,10 @@ def _dispatch(command: str, rest: list[str]) -> int:
         from vitforge.trainer.ckpt_cli import main as ckpt_main
 
         return ckpt_main(rest)
+    if command == "inspect":
+        from vitforge.trainer.figures_cli import main as inspect_main
+
+        return inspect_main(rest)
     if command in ("submit", "status", "logs", "cancel"):
         from vitforge.cluster import submit_cli
 
