@@ -115,7 +115,8 @@ class DaliBackend:
             while (images := self._next()) is not None:
                 raw = self.feed.in_flight.popleft()
                 yield {"image": images.to(dtype), "label": torch.from_numpy(raw.labels).to(self.device),
-                       "key": raw.keys, "bad": raw.bad, "reads": raw.reads}
+                       "key": raw.keys, "bad": raw.bad, "reads": raw.reads,
+                       "position": torch.from_numpy(raw.positions)}
         finally:
             raws.close()
             self.pipe = None

@@ -1,7 +1,8 @@
 """`build_loader`: the one entry point the trainer uses, whatever the backend.
 
 A Loader yields one epoch per `iter()`, as dicts {"image": N,3,S,S on the device, "label": int64
-(-1 = ignore), "key": "SHARD.tar:KEY" per sample, "bad": keys replaced, "reads": what reading it
+(-1 = ignore), "key": "SHARD.tar:KEY" per sample, "position": int64 per sample, its place in the
+epoch's order (with the epoch, what per-sample randomness hashes), "bad": keys replaced, "reads": what reading it
 cost: object-store "requests" and "bytes" (bytes read locally for local shards), shard-cache
 "opens" and "fetches"}. Its state is
 (epoch, consumed): how many positions of the epoch's global order all ranks together have taken.
@@ -39,8 +40,9 @@ class SyntheticBackend:
         self.labels = torch.randint(0, num_classes, (spec.batch_size,), generator=generator).to(device)
 
     def batches(self, epoch: int, rank_slice: RankSlice):
-        for _ in range(rank_slice.num_batches):
-            yield {"image": self.images, "label": self.labels, "key": [], "bad": [], "reads": {}}
+        for batch in range(rank_slice.num_batches):
+            yield {"image": self.images, "label": self.labels, "key": [], "bad": [], "reads": {},
+                   "position": torch.from_numpy(rank_slice.positions(batch))}
 
 
 def choose_backend(spec: LoaderSpec, device: torch.device) -> tuple[str, str]:

@@ -49,6 +49,7 @@ class RawBatch:
     heights: np.ndarray
     windows: Windows
     keys: list[str]
+    positions: np.ndarray  # int64: each sample's position in the epoch's order (what augmentation hashes)
     bad: list[str] = field(default_factory=list)
     # What reading this batch cost: object-store requests and bytes (or bytes read locally), and
     # shard-cache opens and fetches.
@@ -222,7 +223,7 @@ def make_batch(index: DatasetIndex, reader: SampleReader, order: np.ndarray, ran
     widths = np.array([s[0] if s else BLANK_SIDE for s in sizes], np.int64)
     heights = np.array([s[1] if s else BLANK_SIDE for s in sizes], np.int64)
     raw = RawBatch(images, labels, widths, heights, crop_windows(widths, heights, positions, spec, epoch), keys,
-                   reads=reads)
+                   positions, reads=reads)
     for i, size in enumerate(sizes):
         if size is None:
             raw.replace(i, f"not an intact image (bad markers or header) or over {index.max_pixels} pixels")

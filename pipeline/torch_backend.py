@@ -52,7 +52,7 @@ def decode_batch(raw: RawBatch, size: int) -> dict:
             out[i] = decode_crop(raw.images[i], 0, 0, raw.widths[i], raw.heights[i], False,
                                  int(raw.widths[i]), int(raw.heights[i]), size)
     return {"image": torch.from_numpy(out), "label": torch.from_numpy(raw.labels), "key": raw.keys, "bad": raw.bad,
-            "reads": raw.reads}
+            "reads": raw.reads, "position": torch.from_numpy(raw.positions)}
 
 
 class Normalise:
@@ -116,7 +116,7 @@ class TorchBackend:
             for batch in loader:
                 yield {"image": self.normalise(batch["image"].to(self.device, non_blocking=True)),
                        "label": batch["label"].to(self.device, non_blocking=True), "key": batch["key"],
-                       "bad": batch["bad"], "reads": batch["reads"]}
+                       "bad": batch["bad"], "reads": batch["reads"], "position": batch["position"]}
         else:
             # Receiving a batch from a worker (unpickling, mapping its shared memory) takes a few ms of
             # the consumer's thread for a large batch; a thread takes it while the step runs. (On a

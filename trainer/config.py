@@ -99,6 +99,9 @@ class OptimizerConfig(Strict):
 
 
 class TrainConfig(Strict):
+    # classification, or masked_patch_prediction (the paper's self-supervised pre-training: predict
+    # corrupted patches' mean colours; fine-tune from it with checkpoint.init_from)
+    objective: Literal["classification", "masked_patch_prediction"] = "classification"
     steps: int = Field(ge=1)
     global_batch: int = Field(ge=1)
     micro_batch: int = Field(ge=1)  # per rank, per forward pass; accumulation = global / (micro * world size)
@@ -175,6 +178,16 @@ class Config(Strict):
     train: TrainConfig
     checkpoint: CheckpointConfig = CheckpointConfig()
     deepspeed: dict = {}  # any DeepSpeed config key, applied last over the generated config
+
+    @model_validator(mode="after")
+    def _objective_fits(self):
+        if self.train.objective == "masked_patch_prediction":
+            mixing = [f"augment.{k}" for k in ("mixup", "cutmix", "label_smoothing") if getattr(self.augment, k)]
+            if mixing or self.model.pre_logits:
+                raise ValueError(f"train.objective masked_patch_prediction predicts patch colours: "
+                                 f"{', '.join(mixing + ['model.pre_logits'] * self.model.pre_logits)} "
+                                 "only apply to classification")
+        return self
 
     def accumulation(self, world_size: int) -> int:
         per_step = self.train.micro_batch * world_size

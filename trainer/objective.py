@@ -1,7 +1,8 @@
 """What the model is trained to do, behind a name: the loss, and the metrics evaluation reports.
 
-One objective today (image classification); a second (e.g. masked patch prediction) is one more
-entry in OBJECTIVES with the same three functions.
+Image classification, and masked patch prediction (self-supervised: the targets come from the
+pixels). Each is an entry in OBJECTIVES: its model inputs and targets from a batch, its loss, and
+what evaluation counts and reports.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from vitforge.pipeline import IGNORE_LABEL
+from vitforge.pipeline import IGNORE_LABEL, IMAGENET_MEAN, IMAGENET_STD
+
+from .masked_patches import UNTOUCHED, colour_targets, corruption
 
 
 def masked_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -44,13 +47,48 @@ def classification_metrics(totals: torch.Tensor) -> dict:
             "eval_top5": totals[2].item() / count, "eval_samples": int(totals[3].item())}
 
 
+def classification_inputs(batch: dict, module: torch.nn.Module, epoch: int, seed: int) -> tuple[tuple, torch.Tensor]:
+    return (batch["image"],), batch["label"]
+
+
+def masked_patch_inputs(batch: dict, module: torch.nn.Module, epoch: int, seed: int) -> tuple[tuple, torch.Tensor]:
+    """The corrupted patches' plan and their colour classes (-1 for the rest, and for every patch of
+    a sample the loader marked -1: replaced, or eval padding), from the pixels the model sees."""
+    images = batch["image"]
+    grid = tuple(module.vit.patch_embed.grid_size)
+    action, source = (torch.from_numpy(a).to(images.device)
+                      for a in corruption(seed, epoch, batch["position"].numpy(), grid[0] * grid[1]))
+    mean, std = (torch.tensor(v, device=images.device).view(1, 3, 1, 1) for v in (IMAGENET_MEAN, IMAGENET_STD))
+    targets = colour_targets(images.float() * std + mean, grid)
+    skipped = (batch["label"] == IGNORE_LABEL).to(images.device).view(-1, 1)
+    targets = targets.masked_fill((action == UNTOUCHED) | skipped, IGNORE_LABEL)
+    return (images, action, source), targets
+
+
+def per_patch(function: Callable) -> Callable:
+    """A per-image function applied to every patch: (batch, patches, classes) logits, (batch, patches) targets."""
+    return lambda logits, targets: function(logits.flatten(0, 1), targets.flatten())
+
+
+def masked_patch_metrics(totals: torch.Tensor) -> dict:
+    count = max(totals[3].item(), 1)
+    return {"eval_loss": totals[0].item() / count, "eval_colour_top1": totals[1].item() / count,
+            "eval_colour_top5": totals[2].item() / count, "eval_patches": int(totals[3].item())}
+
+
 @dataclass(frozen=True)
 class Objective:
     name: str
+    # (batch, the model without its engine, epoch, seed) -> (the model's inputs, the loss's targets)
+    inputs: Callable[[dict, torch.nn.Module, int, int], tuple[tuple, torch.Tensor]]
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     eval_counts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # summed over batches and ranks
     eval_metrics: Callable[[torch.Tensor], dict]
 
 
-OBJECTIVES = {"classification": Objective("classification", masked_loss, classification_counts,
-                                          classification_metrics)}
+OBJECTIVES = {
+    "classification": Objective("classification", classification_inputs, masked_loss, classification_counts,
+                                classification_metrics),
+    "masked_patch_prediction": Objective("masked_patch_prediction", masked_patch_inputs, per_patch(masked_loss),
+                                         per_patch(classification_counts), masked_patch_metrics),
+}

@@ -114,15 +114,16 @@ def metrics_folder(cfg: Config) -> str:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, loader, objective: Objective, params: dict | None = None) -> dict:
+def evaluate(model: torch.nn.Module, loader, objective: Objective, params: dict | None = None,
+             seed: int = 0) -> dict:
     """The objective's metrics over the whole eval set, summed across ranks; padding is ignored."""
     was_training = model.training
     model.eval()
     totals = torch.zeros(4, dtype=torch.float64)
     for batch in loader:
-        images = batch["image"]
-        logits = torch.func.functional_call(model, params, (images,)) if params else model(images)
-        totals += objective.eval_counts(logits, batch["label"])
+        inputs, targets = objective.inputs(batch, model, 0, seed)
+        logits = torch.func.functional_call(model, params, inputs) if params else model(*inputs)
+        totals += objective.eval_counts(logits, targets)
     dist.all_reduce(totals)
     model.train(was_training)
     return objective.eval_metrics(totals)
@@ -139,11 +140,11 @@ class Trainer:
         self.state = TrainState()
         self.accumulation = cfg.accumulation(env.world_size)
         self.end = min(cfg.train.steps, cfg.train.stop_at or cfg.train.steps)
-        self.flops_per_image = 3 * forward_flops(cfg.model.name, cfg.model.image_size,
-                                                 engine.module.num_classes)  # forward + backward
+        self.flops_per_image = 3 * forward_flops(cfg.model.name, cfg.model.image_size,  # forward + backward
+                                                 getattr(engine.module, "num_classes", 1), cfg.train.objective)
         aug = cfg.augment
-        self.mixing = Mixing(engine.module.num_classes, cfg.data.seed, aug.mixup, aug.cutmix, aug.mix_prob,
-                             aug.switch_prob, aug.label_smoothing)
+        self.mixing = Mixing(getattr(engine.module, "num_classes", 0), cfg.data.seed, aug.mixup, aug.cutmix,
+                             aug.mix_prob, aug.switch_prob, aug.label_smoothing)
         self.peak = peak_flops(device)
         self.stop = stop
         self.window = Window(torch.zeros((), device=device))
@@ -179,11 +180,13 @@ class Trainer:
         lr = learning_rate(self.cfg, self.state.step)
         for group in self.engine.optimizer.param_groups:
             group["lr"] = lr
-        images, targets = batch["image"], batch["label"]
+        inputs, targets = self.objective.inputs(batch, self.engine.module, self.train_loader.epoch,
+                                                self.cfg.data.seed)
         if self.mixing.soft:
-            images, targets = mix_batch(images, targets, self.mixing, self.state.step,
+            images, targets = mix_batch(inputs[0], targets, self.mixing, self.state.step,
                                         self.state.micro % self.accumulation, self.env.rank)
-        loss = self.objective.loss(self.engine(images), targets)
+            inputs = (images, *inputs[1:])
+        loss = self.objective.loss(self.engine(*inputs), targets)
         self.engine.backward(loss)
         self.engine.step()
         self.window.loss += loss.detach().float()  # summed on the device: no sync per micro-step
@@ -215,7 +218,7 @@ class Trainer:
             self.last = self.log_step()
         if self.val_loader is not None and (step % cfg.train.eval_every == 0 or step == self.end):
             self.last.update(evaluate(self.engine.module, self.val_loader, self.objective,
-                                      self.ema.weights if self.ema else None))
+                                      self.ema.weights if self.ema else None, cfg.data.seed))
             self.metrics.write(step, {k: v for k, v in self.last.items() if k.startswith("eval")})
         due = (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0) or timed or step == self.end
         if stop_reason:
@@ -380,7 +383,8 @@ def _build(cfg: Config, env, device, stop: StopRequest) -> tuple[Trainer, Checkp
             config = cfg.model_copy(update={"deepspeed": {**cfg.deepspeed, "checkpoint": {
                 **cfg.deepspeed.get("checkpoint", {}), "load_universal": True}}})
         return build_engine(config, lambda: build_model(cfg.model.name, num_classes, cfg.model.image_size,
-                                                        cfg.model.drop_path, cfg.model.dropout, cfg.model.pre_logits),
+                                                        cfg.model.drop_path, cfg.model.dropout, cfg.model.pre_logits,
+                                                        cfg.train.objective),
                             env.world_size)
 
     if cfg.train.ema_decay is not None and cfg.train.zero_stage == 3:
@@ -391,10 +395,10 @@ def _build(cfg: Config, env, device, stop: StopRequest) -> tuple[Trainer, Checkp
         log.info("initialised from %s (%s)", cfg.checkpoint.init_from, "; ".join(changes) or "as is")
     # The EMA starts from the weights training starts from (restored, fine-tuned from, or fresh).
     ema = EMA(engine.module, cfg.train.ema_decay) if cfg.train.ema_decay is not None else None
-    trainer = Trainer(cfg, env, device, engine, train_loader, val_loader, OBJECTIVES["classification"],
+    trainer = Trainer(cfg, env, device, engine, train_loader, val_loader, OBJECTIVES[cfg.train.objective],
                       checkpointer, metrics, ema, {"config": cfg.model_dump(mode="json"), "num_classes": num_classes,
                                                    "classes": getattr(index, "classes", None),
-                                                   "objective": "classification"}, stop)
+                                                   "objective": cfg.train.objective}, stop)
     metrics.open()
     if restored is not None:
         trainer.load_state_dict(restored.step, restored.mine, restored.shared)
@@ -459,11 +463,12 @@ def run_eval(cfg: Config, checkpoint_url: str, model_overrides: set[str]) -> dic
             eval_cfg = cfg.model_copy(update={"model": model_cfg})
             val_loader = build_data_loader(eval_cfg, cfg.data.val, False, env, device)
             _check_classes(weights.manifest.get("classes"), getattr(val_loader.index, "classes", None))
-            model = build_model(model_cfg.name, num_classes, model_cfg.image_size,
-                                pre_logits=model_cfg.pre_logits).to(device)
+            objective = weights.manifest.get("objective", "classification")
+            model = build_model(model_cfg.name, num_classes, model_cfg.image_size, pre_logits=model_cfg.pre_logits,
+                                objective=objective).to(device)
             load_exact(model, weights.state, weights.url)
             result = {"checkpoint": weights.url, "weights": weights.weights,
-                      **evaluate(model, val_loader, OBJECTIVES[weights.manifest.get("objective", "classification")])}
+                      **evaluate(model, val_loader, OBJECTIVES[objective], seed=cfg.data.seed)}
         ok = True
         return result
     finally:
