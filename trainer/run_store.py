@@ -95,6 +95,21 @@ class RunStore:
             raise CheckpointError(f"{self.object_url(f'{tag}/{MANIFEST}')}: not a vitforge checkpoint manifest")
         return manifest
 
+    def results(self) -> dict:
+        """What the run reached: its newest complete checkpoint's step, training-set size and
+        config, and the last evaluation in the run's metrics.jsonl."""
+        tags = self.complete_tags()
+        if not tags:
+            raise CheckpointError(f"{self.url}: no complete checkpoint: the run has not finished a step")
+        manifest = self.manifest(tags[-1])
+        try:
+            lines = [json.loads(line) for line in self.store.get_bytes(METRICS).decode().splitlines() if line.strip()]
+        except FileNotFoundError:
+            lines = []
+        evals = [line for line in lines if any(key.startswith("eval_") for key in line)]
+        return {"step": manifest["step"], "train_samples": manifest.get("train_samples"),
+                "config": manifest.get("config", {}), **(evals[-1] if evals else {})}
+
     def candidates(self, resume: str | int) -> list[str]:
         """Tags to try, best first: for "auto" every complete one, newest first; else just the one asked for."""
         if resume == "never":

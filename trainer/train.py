@@ -397,6 +397,7 @@ def _build(cfg: Config, env, device, stop: StopRequest) -> tuple[Trainer, Checkp
     ema = EMA(engine.module, cfg.train.ema_decay) if cfg.train.ema_decay is not None else None
     trainer = Trainer(cfg, env, device, engine, train_loader, val_loader, OBJECTIVES[cfg.train.objective],
                       checkpointer, metrics, ema, {"config": cfg.model_dump(mode="json"), "num_classes": num_classes,
+                                                   "train_samples": train_loader.num_samples,
                                                    "classes": getattr(index, "classes", None),
                                                    "objective": cfg.train.objective}, stop)
     metrics.open()

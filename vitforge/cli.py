@@ -28,6 +28,7 @@ commands:
   inspect        the ViT paper's figures for a checkpoint: position embeddings, filters, attention
   submit         render a launch spec to an sbatch script and submit it (--dry-run prints it)
   status | logs | cancel JOB   a submitted job's state, its log (-f follows), cancel or signal it
+  study          the paper's data-scale study: one run per (model, subset), then collect a table and plot
   plan           capacity planner: throughput, time, GPU-hours, decode cores, store traffic, checkpoint interval
   demo           generate a small learnable corpus, shard it, train on it, evaluate
 
@@ -70,6 +71,10 @@ def _dispatch(command: str, rest: list[str]) -> int:
         from vitforge.cluster import submit_cli
 
         return getattr(submit_cli, f"{command}_main")(rest)
+    if command == "study":
+        from vitforge.cluster.study_cli import main as study_main
+
+        return study_main(rest)
     if command == "plan":
         from vitforge.cluster.cli import main as plan_main
 
