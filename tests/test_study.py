@@ -49,7 +49,8 @@ def check_collected(tmp_path, study: str, expected: dict) -> None:
                                                  "metrics.jsonl").read_text().splitlines()]
         assert row["eval_top1"] == [m for m in metrics if "eval_top1" in m][-1]["eval_top1"]
         assert row["step"] == 20 and row["samples_seen"] == 20 * 32 and row["eval_samples"] == 100
-        assert f"| {row['model']} | {row['subset']} | {row['train_samples']} | 640 | {row['eval_top1']:.4f} |" in printed
+        line = f"| {row['model']} | {row['subset']} | {row['train_samples']} | 640 | {row['eval_top1']:.4f} |"
+        assert line in printed
     assert (out / "data_scale.png").stat().st_size > 1000 and (out / "data_scale.md").read_text().startswith("| model")
 
 
