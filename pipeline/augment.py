@@ -28,8 +28,9 @@ class Windows:
     flip: np.ndarray  # bool
 
 
-def uniforms(seed: int, epoch: int, positions: np.ndarray, count: int) -> np.ndarray:
-    bits = mix(seed, epoch, 4, positions.astype(np.uint64)[:, None], np.arange(count, dtype=np.uint64)[None, :])
+def uniforms(seed: int, epoch: int, positions: np.ndarray, count: int, stream: int = 4) -> np.ndarray:
+    """`count` uniforms in [0, 1) per position; `stream` keeps one augmentation's draws apart from another's."""
+    bits = mix(seed, epoch, stream, positions.astype(np.uint64)[:, None], np.arange(count, dtype=np.uint64)[None, :])
     return (bits >> np.uint64(11)).astype(np.float64) * 2.0**-53
 
 

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from . import randaugment
 from .ahead import read_ahead
 from .index import DatasetIndex
 from .order import RankSlice
@@ -40,9 +41,10 @@ class Feed:
     """What DALI's external source pulls: the current epoch's raw batches as DALI inputs. DALI
     asks `prefetch` batches ahead; those asked for and not yet delivered are `in_flight`, in order."""
 
-    def __init__(self):
+    def __init__(self, augmenting: bool = False):
         self.raws: Iterator[RawBatch] = iter(())
         self.in_flight: deque[RawBatch] = deque()
+        self.augmenting = augmenting  # RandAugment's plan travels too
 
     def __iter__(self):
         return self
@@ -54,32 +56,59 @@ class Feed:
         w, h = raw.widths.astype(np.float64), raw.heights.astype(np.float64)
         anchor = np.stack([win.x / w, win.y / h], axis=1).astype(np.float32)
         shape = np.stack([win.w / w, win.h / h], axis=1).astype(np.float32)
-        return ([np.frombuffer(d, np.uint8) for d in raw.images], list(anchor), list(shape),
-                list(win.flip.astype(np.int32)))
+        inputs = ([np.frombuffer(d, np.uint8) for d in raw.images], list(anchor), list(shape),
+                  list(win.flip.astype(np.int32)))
+        if self.augmenting:
+            inputs += (list(raw.augment_ops), list(raw.augment_negate))
+        return inputs
 
 
 def _graph(spec: LoaderSpec, device_id: int | None, feed: Feed, overlap: bool):
     from nvidia.dali import fn, pipeline_def, types
 
     mixed = device_id is not None
+    augmenting = feed.augmenting
+    count = 6 if augmenting else 4
 
+    # Conditionals let each sample of a batch take its own RandAugment operation.
     @pipeline_def(batch_size=spec.batch_size, num_threads=max(spec.workers, 1), device_id=device_id,
-                  prefetch_queue_depth=spec.prefetch if overlap else 1, exec_async=overlap, exec_pipelined=overlap)
+                  prefetch_queue_depth=spec.prefetch if overlap else 1, exec_async=overlap, exec_pipelined=overlap,
+                  enable_conditionals=augmenting)
     def graph():
-        jpegs, anchor, shape, flip = fn.external_source(
-            source=feed, num_outputs=4, batch=True, dtype=[types.UINT8, types.FLOAT, types.FLOAT, types.INT32],
-            ndim=[1, 1, 1, 0])
+        inputs = fn.external_source(
+            source=feed, num_outputs=count, batch=True,
+            dtype=[types.UINT8, types.FLOAT, types.FLOAT, types.INT32, types.INT32, types.INT32][:count],
+            ndim=[1, 1, 1, 0, 1, 1][:count])
+        jpegs, anchor, shape, flip = inputs[:4]
         decoder_args = {"hw_decoder_load": spec.hw_decoder_load} if mixed else {}
         images = fn.decoders.image_slice(jpegs, anchor, shape, device="mixed" if mixed else "cpu",
                                          output_type=types.RGB, adjust_orientation=False, **decoder_args)
         images = fn.resize(images, resize_x=spec.image_size, resize_y=spec.image_size,
                            interp_type=types.INTERP_LINEAR, antialias=True)
-        return fn.crop_mirror_normalize(images, mirror=flip, dtype=types.FLOAT, output_layout="CHW",
+        mirror = flip
+        if augmenting:
+            images, mirror = _randaugment(images, flip, *inputs[4:], spec), 0
+        return fn.crop_mirror_normalize(images, mirror=mirror, dtype=types.FLOAT, output_layout="CHW",
                                         mean=[255 * m for m in spec.mean], std=[255 * s for s in spec.std])
 
     pipe = graph()
     pipe.build()
     return pipe
+
+
+def _randaugment(images, flip, ops, negate, spec: LoaderSpec):
+    """The planned operations, after the flip (as the torch backend applies them), in DALI."""
+    from nvidia.dali import fn, types
+    from nvidia.dali.auto_aug.core import select, signed_bin
+
+    images = fn.flip(images, horizontal=flip)
+    suite = randaugment.dali_suite()
+    for level in range(spec.randaugment[0]):
+        images = select(suite, ops[level], data=images, num_magnitude_bins=randaugment.BINS,
+                        magnitude_bin=signed_bin(spec.randaugment[1], negate[level]),
+                        shape=(spec.image_size, spec.image_size), fill_value=randaugment.FILL,
+                        interp_type=types.INTERP_LINEAR)
+    return images
 
 
 def strictly_decodes(data: bytes) -> bool:
@@ -97,7 +126,7 @@ class DaliBackend:
         self.name = "dali-mixed" if self.device_id is not None else "dali-cpu"
         # On a CPU device the step and the decoder share the same cores: decoding in line is faster.
         self.overlap = spec.overlap if spec.overlap is not None else device.type == "cuda"
-        self.feed = Feed()
+        self.feed = Feed(augmenting=spec.train and spec.randaugment is not None)
         self.pipe = None
 
     def batches(self, epoch: int, rank_slice: RankSlice):

@@ -21,6 +21,7 @@ from PIL import Image
 
 from vitforge.core import is_remote
 
+from . import randaugment
 from .augment import Windows, crop_windows
 from .cache import NEVER, CacheSpec, ShardCache, cache_spec, shard_file_name
 from .index import DatasetIndex
@@ -51,6 +52,9 @@ class RawBatch:
     keys: list[str]
     positions: np.ndarray  # int64: each sample's position in the epoch's order (what augmentation hashes)
     bad: list[str] = field(default_factory=list)
+    # RandAugment's plan, (samples, operations) each: indices into randaugment.OPS, and negated or not
+    augment_ops: np.ndarray | None = None
+    augment_negate: np.ndarray | None = None
     # What reading this batch cost: object-store requests and bytes (or bytes read locally), and
     # shard-cache opens and fetches.
     reads: dict = field(default_factory=lambda: {"requests": 0, "bytes": 0, "opens": 0, "fetches": 0})
@@ -224,6 +228,8 @@ def make_batch(index: DatasetIndex, reader: SampleReader, order: np.ndarray, ran
     heights = np.array([s[1] if s else BLANK_SIDE for s in sizes], np.int64)
     raw = RawBatch(images, labels, widths, heights, crop_windows(widths, heights, positions, spec, epoch), keys,
                    positions, reads=reads)
+    if spec.train and spec.randaugment:
+        raw.augment_ops, raw.augment_negate = randaugment.plan(spec.seed, epoch, positions, spec.randaugment[0])
     for i, size in enumerate(sizes):
         if size is None:
             raw.replace(i, f"not an intact image (bad markers or header) or over {index.max_pixels} pixels")

@@ -25,6 +25,7 @@ class LoaderSpec:
     scale: tuple[float, float] = (0.08, 1.0)  # random-resized-crop area fraction (Inception / ViT recipe)
     ratio: tuple[float, float] = (3 / 4, 4 / 3)
     flip: bool = True
+    randaugment: tuple[int, int] | None = None  # (operations per image, magnitude bin 0-30), train only
     eval_crop_fraction: float = 0.875  # eval: resize shorter side to image_size / 0.875, centre crop
     mean: tuple[float, float, float] = IMAGENET_MEAN
     std: tuple[float, float, float] = IMAGENET_STD
@@ -69,6 +70,8 @@ class LoaderSpec:
         if self.subset is not None and not (0 < self.subset <= 1 if isinstance(self.subset, float)
                                             else self.subset >= 1):
             raise UsageError(f"subset must be a fraction in (0, 1] or a sample count >= 1, not {self.subset!r}")
+        if self.randaugment is not None and not (self.randaugment[0] >= 1 and 0 <= self.randaugment[1] <= 30):
+            raise UsageError(f"randaugment must be (operations >= 1, magnitude 0-30), not {self.randaugment}")
         if self.partitions is not None and self.partitions < 1:
             raise UsageError(f"partitions must be >= 1, not {self.partitions}")
         if self.cache_gb <= 0 or self.read_block_mb <= 0 or self.shards_ahead < 0:

@@ -16,6 +16,7 @@ import simplejpeg
 import torch
 from PIL import Image
 
+from . import randaugment
 from .ahead import read_ahead
 from .index import DatasetIndex
 from .order import RankSlice
@@ -39,7 +40,8 @@ def decode_crop(data: bytes, x: float, y: float, w: float, h: float, flip: bool,
     return out[:, ::-1] if flip else out
 
 
-def decode_batch(raw: RawBatch, size: int) -> dict:
+def decode_batch(raw: RawBatch, size: int, magnitude: int = 0) -> dict:
+    """`magnitude`: RandAugment's magnitude bin, for a batch that carries its plan."""
     out = np.empty((len(raw.images), size, size, 3), np.uint8)
     for i, data in enumerate(raw.images):
         win = raw.windows
@@ -51,6 +53,9 @@ def decode_batch(raw: RawBatch, size: int) -> dict:
             raw.replace(i, f"does not decode: {e}")
             out[i] = decode_crop(raw.images[i], 0, 0, raw.widths[i], raw.heights[i], False,
                                  int(raw.widths[i]), int(raw.heights[i]), size)
+        if raw.augment_ops is not None:
+            pixels = torch.from_numpy(out[i]).permute(2, 0, 1)
+            out[i] = randaugment.apply(pixels, raw.augment_ops[i], raw.augment_negate[i], magnitude).permute(1, 2, 0)
     return {"image": torch.from_numpy(out), "label": torch.from_numpy(raw.labels), "key": raw.keys, "bad": raw.bad,
             "reads": raw.reads, "position": torch.from_numpy(raw.positions)}
 
@@ -81,7 +86,7 @@ class _Batches(torch.utils.data.IterableDataset):
         mine = range(worker, self.rank_slice.num_batches, workers)
         normalise = Normalise(self.spec, torch.device("cpu")) if self.normalise_here else None
         for raw in raw_batches(self.index, self.spec, self.epoch, self.rank_slice, mine):
-            batch = decode_batch(raw, self.spec.image_size)
+            batch = decode_batch(raw, self.spec.image_size, self.spec.randaugment[1] if self.spec.randaugment else 0)
             if normalise is not None:
                 batch["image"] = normalise(batch["image"])
             yield batch

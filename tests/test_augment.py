@@ -71,11 +71,12 @@ def test_bad_augment_values_are_named(data):
 
 
 def test_training_with_every_regulariser_on_resumes_exactly(data, tmp_path):
-    """Mixup, CutMix, label smoothing, dropout, stochastic depth and a narrower crop without flip:
+    """Mixup, CutMix, label smoothing, RandAugment, dropout, stochastic depth, a narrower crop, no flip:
     a run stopped at step 6 and resumed logs the same losses as an uninterrupted one."""
     common = ["train.steps=12", "train.log_every=1", "train.checkpoint_every=6", "data.val=null",
               "augment.mixup=0.8", "augment.cutmix=1.0", "augment.mix_prob=0.9", "augment.label_smoothing=0.1",
-              "augment.crop_scale=[0.35,1.0]", "augment.flip=false", "model.dropout=0.1", "model.drop_path=0.1",
+              "augment.crop_scale=[0.35,1.0]", "augment.flip=false", "augment.randaugment=[2,9]", "model.dropout=0.1",
+              "model.drop_path=0.1",
               f"checkpoint.log_dir={tmp_path / 'straight'}"]
     train(data, "reg_straight", *common)
     resumed = [*common[:-1], f"checkpoint.log_dir={tmp_path / 'resumed'}"]

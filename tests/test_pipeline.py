@@ -586,3 +586,58 @@ def test_a_full_cache_removes_what_the_order_needs_last_and_a_dead_fetch_leaves_
     assert not [e.name for e in files if e.name.endswith(".partial")]
     assert sum(e.stat().st_size for e in files) <= options["cache_gb"] * 1e9
     assert "going over it" not in caplog.text
+
+
+def test_randaugment_plans_are_deterministic_per_position_and_uniform_over_operations():
+    from vitforge.pipeline import randaugment
+
+    positions = np.arange(20000)
+    ops, negate = randaugment.plan(1, 0, positions, 2)
+    assert ops.shape == negate.shape == (20000, 2)
+    counts = np.bincount(ops.ravel(), minlength=len(randaugment.OPS)) / ops.size
+    assert np.allclose(counts, 1 / len(randaugment.OPS), atol=0.005) and abs(negate.mean() - 0.5) < 0.01
+    again = randaugment.plan(1, 0, positions[100:200], 2)
+    assert np.array_equal(again[0], ops[100:200]) and np.array_equal(again[1], negate[100:200])
+    assert not np.array_equal(randaugment.plan(1, 1, positions[:100], 2)[0], ops[:100])  # another epoch
+    assert randaugment.magnitude("rotate", 30) == 30 and randaugment.magnitude("posterize", 0) == 8
+    assert randaugment.magnitude("solarize", 30) == 0 and randaugment.magnitude("shear_x", 15) == pytest.approx(0.15)
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory):
+    """Photo-like JPEGs (500x375), where every RandAugment operation visibly changes the pixels."""
+    from vitforge.synthetic import write_class_folders
+
+    root = tmp_path_factory.mktemp("photos")
+    write_class_folders(str(root / "images"), num_classes=2, per_class=8, realistic=True)
+    vitforge("shard", root / "images", root / "shards", "--workers", "2")
+    return root / "shards"
+
+
+@pytest.mark.parametrize("op", ["translate_x", "translate_y", "shear_x", "shear_y", "rotate", "brightness",
+                                "contrast", "color", "sharpness", "posterize", "solarize", "equalize",
+                                "auto_contrast", "identity"])
+def test_dali_and_torch_apply_the_same_randaugment_operation(photos, monkeypatch, op):
+    """Every sample gets `op` (half of them negated): both backends' images stay as close as they
+    are without RandAugment (different resize kernels), or far closer than the operation moves them
+    (equalize and auto-contrast follow OpenCV in DALI, PIL in torchvision)."""
+    from vitforge.pipeline import randaugment
+
+    index = randaugment.OPS.index(op)
+    monkeypatch.setattr(randaugment, "plan", lambda seed, epoch, positions, n: (
+        np.full((len(positions), n), index, np.int32), (np.arange(len(positions))[:, None] % 2).astype(np.int32)))
+
+    def images(backend, augment):
+        return next(iter(build_loader(spec(photos, backend=backend, batch_size=8, image_size=96, flip=False,
+                                           randaugment=augment, seed=3))))["image"]
+
+    plain_torch, plain_dali = images("torch", None), images("dali-cpu", None)
+    torch_aug, dali_aug = images("torch", (1, 15)), images("dali-cpu", (1, 15))
+    baseline = (plain_torch - plain_dali).abs().mean().item()
+    effect = (torch_aug - plain_torch).abs().mean().item()
+    between = (torch_aug - dali_aug).abs().mean().item()
+    assert between <= max(1.5 * baseline, 0.3 * effect), (op, between, baseline, effect)
+    if op != "identity":
+        assert effect > 0.01 and not torch.equal(torch_aug, plain_torch)
+    else:
+        assert torch.equal(torch_aug, plain_torch)

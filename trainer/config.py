@@ -71,6 +71,8 @@ class AugmentConfig(Strict):
     crop_scale: tuple[float, float] = (0.08, 1.0)  # random-resized-crop area fraction (Inception crop)
     crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)  # its aspect-ratio range
     flip: bool = True  # horizontal flip with probability 1/2
+    # RandAugment: [operations per image, magnitude bin 0-30], e.g. [2, 9] (DeiT's rand-m9-n2); null: off
+    randaugment: tuple[int, int] | None = None
     label_smoothing: float = Field(0.0, ge=0, lt=1)
     mixup: float = Field(0.0, ge=0)  # Mixup's Beta(alpha, alpha); 0 = off
     cutmix: float = Field(0.0, ge=0)  # CutMix's Beta(alpha, alpha); 0 = off
@@ -83,6 +85,8 @@ class AugmentConfig(Strict):
             raise ValueError(f"crop_scale must satisfy 0 < min <= max <= 1, not {list(self.crop_scale)}")
         if not 0 < self.crop_ratio[0] <= self.crop_ratio[1]:
             raise ValueError(f"crop_ratio must satisfy 0 < min <= max, not {list(self.crop_ratio)}")
+        if self.randaugment is not None and not (self.randaugment[0] >= 1 and 0 <= self.randaugment[1] <= 30):
+            raise ValueError(f"randaugment must be [operations >= 1, magnitude 0-30], not {list(self.randaugment)}")
         return self
 
 

@@ -91,7 +91,8 @@ def _seed_everything(seed: int) -> None:
 
 def build_data_loader(cfg: Config, source: str, train: bool, env, device):
     aug = cfg.augment
-    crops = {"scale": aug.crop_scale, "ratio": aug.crop_ratio, "flip": aug.flip} if train else {}
+    crops = ({"scale": aug.crop_scale, "ratio": aug.crop_ratio, "flip": aug.flip, "randaugment": aug.randaugment}
+             if train else {})
     spec = LoaderSpec(source, batch_size=cfg.train.micro_batch, image_size=cfg.model.image_size, train=train,
                       backend="synthetic" if source == "synthetic" else cfg.data.backend, seed=cfg.data.seed,
                       workers=cfg.data.workers, prefetch=cfg.data.prefetch, subset=cfg.data.subset if train else None,
