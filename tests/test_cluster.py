@@ -165,13 +165,14 @@ def test_a_run_longer_than_its_time_limit_completes_across_requeues(data, slurm,
     no allocation reaches the limit (TIMEOUT), and the run ends equal to an uninterrupted one."""
     for key, value in {**slurm, **s3_server["env"]}.items():
         monkeypatch.setenv(key, value)
-    # 128 px makes a step ~0.08-0.14 s here: 800 steps need more than one allocation can hold.
-    slow = ("train.steps=800", "model.image_size=128", "train.log_every=1", "train.checkpoint_every=100",
+    # 128 px makes a step ~0.08-0.14 s here: 600 steps need more than one allocation can hold
+    # (the first signal comes 30-60 s into the job, 20 s of which is start-up).
+    slow = ("train.steps=600", "model.image_size=128", "train.log_every=1", "train.checkpoint_every=100",
             "data.val=null", "checkpoint.keep_last=10")
     train(data, "slurm_limit_straight", *slow)
     store = f"s3://{bucket}/runs"
     job = _submit(data, tmp_path, "slurm_tl", "--set", "time=00:02:00", "--set", "signal_lead_s=60",
-                  "--set", "max_requeues=10", steps=800, store=store,
+                  "--set", "max_requeues=10", steps=600, store=store,
                   extra=", model.image_size=128, train.checkpoint_every=100",
                   env={**s3_server["env"], "AWS_SECRET_ACCESS_KEY": SECRET})
     final = _wait(job, timeout=900)
