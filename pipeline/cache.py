@@ -86,7 +86,8 @@ class ShardCache:
 
     @property
     def requests(self) -> int:
-        return sum(store.requests for store in self._stores.values())
+        with self._lock:
+            return sum(store.requests for store in self._stores.values())
 
     def open(self, url: str, length: int, sha256: str | None) -> int:
         """A read-only descriptor of the shard's first `length` bytes, fetched if absent."""
@@ -108,9 +109,9 @@ class ShardCache:
         with locked(final + LOCK):
             with contextlib.suppress(FileNotFoundError):  # another process fetched it while we waited
                 return os.open(final, os.O_RDONLY) if keep_open else -1
-            self._make_room(length, self.next_use(name))
-            store, key = self._store_for(url)
             partial = final + PARTIAL
+            self._make_room(length, self.next_use(name), partial)
+            store, key = self._store_for(url)
             store.download(key, partial, part_bytes=self.spec.block_bytes,
                            threads=max(1, min(8, -(-length // self.spec.block_bytes))), length=length)
             fd = os.open(partial, os.O_RDONLY) if keep_open else -1  # the inode, whatever removes the name
@@ -122,13 +123,15 @@ class ShardCache:
 
     def _store_for(self, url: str) -> tuple[S3Store, str]:
         folder, _, key = url.rpartition("/")
-        if folder not in self._stores:
-            self._stores[folder] = open_store(folder)
-        return self._stores[folder], key
+        with self._lock:  # the prefetch thread and the reader's: one store (and request count) per folder
+            if folder not in self._stores:
+                self._stores[folder] = open_store(folder)
+            return self._stores[folder], key
 
-    def _make_room(self, need: int, incoming_next_use: float) -> None:
+    def _make_room(self, need: int, incoming_next_use: float, partial: str) -> None:
         """Remove shards, those needed last first, until `need` more bytes fit, but none the node
-        needs before the incoming one (that would only fetch it again)."""
+        needs before the incoming one (that would only fetch it again); then reserve the space by
+        creating `partial`, under the same lock, so that no other fetch counts it as free."""
         with locked(os.path.join(self.spec.folder, ".room" + LOCK)):
             shards, total = [], 0
             for entry in os.scandir(self.spec.folder):
@@ -149,14 +152,14 @@ class ShardCache:
                 log.warning("shard cache %s: the shards in use need %.1f GB, more than its %.1f GB limit "
                             "(data.cache_gb); going over it rather than fetching shards twice",
                             self.spec.folder, (total + need) / 1e9, self.spec.limit_bytes / 1e9)
+            open(partial, "wb").close()
 
     def _partial_size_or_discard(self, entry: os.DirEntry) -> int:
-        """A partial file whose lock nobody holds is a dead fetch's: removed. Else its size so far."""
+        """A partial file whose lock nobody holds is a dead fetch's: removed. Else the bytes it will
+        hold when whole (its name ends in them), not its size so far: that space is taken."""
         with locked(entry.path.removesuffix(PARTIAL) + LOCK, blocking=False) as free:
             if free:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(entry.path)
                 return 0
-        with contextlib.suppress(FileNotFoundError):
-            return entry.stat().st_size
-        return 0
+        return int(entry.name.removesuffix(PARTIAL).rsplit("-", 1)[1])
