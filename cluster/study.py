@@ -83,9 +83,10 @@ def launch_spec(study: StudySpec, run: StudyRun) -> LaunchSpec:
     return spec.model_copy(update={"name": run.name, "train": train})
 
 
-def scripts(study: StudySpec) -> list[tuple[StudyRun, str]]:
-    """Each run's sbatch script."""
-    return [(run, render(launch_spec(study, run))) for run in runs(study)]
+def scripts(study: StudySpec) -> list[tuple[StudyRun, LaunchSpec, str]]:
+    """Each run, its launch spec and its sbatch script."""
+    specs = [(run, launch_spec(study, run)) for run in runs(study)]
+    return [(run, spec, render(spec)) for run, spec in specs]
 
 
 def run_locally(study: StudySpec, run: StudyRun) -> int:

@@ -20,7 +20,7 @@ from vitforge.core import setup_logging
 
 from . import slurm
 from .spec import check_against
-from .study import collect, launch_spec, load_study, run_locally, runs, scripts, table, write_results
+from .study import collect, load_study, run_locally, runs, scripts, table, write_results
 
 
 def main(argv: list[str]) -> int:
@@ -47,7 +47,7 @@ def main(argv: list[str]) -> int:
         print(f"wrote {', '.join(paths)}")
         return 0
     if args.dry_run:
-        print("\n".join(script for _, script in scripts(study)), end="")
+        print("\n".join(script for _, _, script in scripts(study)), end="")
         return 0
     if args.local:
         for run in runs(study):
@@ -57,8 +57,7 @@ def main(argv: list[str]) -> int:
                 print(f"run {run.name} failed (exit {code}); later runs not started")
                 return code
         return 0
-    for run, script in scripts(study):
-        spec = launch_spec(study, run)
+    for run, spec, script in scripts(study):
         check_against(spec, slurm.partition_limits(spec.partition))
         os.makedirs(spec.log_dir, exist_ok=True)
         path = os.path.join(spec.log_dir, f"{run.name}.sbatch")

@@ -78,8 +78,8 @@ class SampleReader:
 
     def __init__(self, index: DatasetIndex, plan: list[np.ndarray], cache: CacheSpec | None = None,
                  node_future: "NodeFuture | None" = None):
+        """`cache` and `node_future`: for object-store shards (see raw_batches), else None."""
         self.index = index
-        self.remote = any(is_remote(u) for u in index.shard_urls)
         self._fds: dict[int, int] = {}
         shards_of = [np.unique(index.shard[ids]).tolist() for ids in plan]
         last_use = {s: i for i, shards in enumerate(shards_of) for s in shards}
@@ -95,9 +95,7 @@ class SampleReader:
         self._lengths = shard_lengths(index)
         self._cache = self._prefetcher = None
         self._batch = self._batch_position = self._submitted = 0
-        if self.remote:
-            if cache is None or node_future is None:
-                raise ValueError("object-store shards are read through a shard cache")
+        if cache is not None:
             names = {shard_file_name(*self._identity(s)): s for s in range(len(index.shard_urls))}
             self._cache = ShardCache(cache, lambda name: node_future.next_use(names.get(name), self._batch_position))
             self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="shard-prefetch")

@@ -73,6 +73,9 @@ def test_pre_training_learns_colours_and_fine_tuning_starts_from_its_encoder(dat
     assert history[60] < 0.7 * history[10], history  # predicting colours is learnable
     final = [json.loads(line) for line in (logs / "metrics.jsonl").read_text().splitlines()][-1]
     assert final["eval_patches"] == 100 * 8 and final["eval_colour_top1"] > 1 / 512 * 20
+    figures = json.loads(vitforge("inspect", data / "runs" / "mpp", "--images", data / "val", "--count", "4",
+                                  "--out", tmp_path / "figures").stdout.strip().splitlines()[-1])
+    assert figures["grid"] == [4, 4] and len(figures["mean_attention_distance_per_layer"]) == 2
     # The fine-tuning start: the encoder's weights exactly, a zero-initialised classifier.
     vitforge("ckpt", "export", data / "runs" / "mpp", "--out", tmp_path / "mpp.safetensors")
     pretrained = load_file(tmp_path / "mpp.safetensors")

@@ -36,9 +36,13 @@ def main(argv: list[str]) -> int:
         weights = consolidate(args.checkpoint, scratch)
     saved = weights.manifest.get("config", {}).get("model", {})
     check_model_name(saved["name"])
+    objective = weights.manifest.get("objective", "classification")
     model = build_model(saved["name"], weights.manifest["num_classes"], saved["image_size"],
-                        pre_logits=saved.get("pre_logits", False))
+                        pre_logits=saved.get("pre_logits", False), objective=objective)
     load_exact(model, weights.state, weights.url)
+    if objective == "masked_patch_prediction":
+        model = model.vit  # the figures are the encoder's
+
     images = None
     if args.images:
         spec = LoaderSpec(args.images, batch_size=args.count, image_size=saved["image_size"], train=False,
