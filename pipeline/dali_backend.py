@@ -145,7 +145,7 @@ class DaliBackend:
                 raw = self.feed.in_flight.popleft()
                 yield {"image": images.to(dtype), "label": torch.from_numpy(raw.labels).to(self.device),
                        "key": raw.keys, "bad": raw.bad, "reads": raw.reads,
-                       "position": torch.from_numpy(raw.positions)}
+                       "position": torch.from_numpy(raw.positions), "real": torch.from_numpy(raw.real)}
         finally:
             raws.close()
             self.pipe = None

@@ -1,5 +1,8 @@
 """Where every sample lives: shard, byte range of its image and label, from the DALI index files.
 
+A dataset is labelled (every sample has a .cls member) or not (none needs one: sharded with
+--no-labels, or tars whose first sample has none); an unlabelled sample's range is its image's.
+
 With offsets known up front, a loader reads exactly the samples it wants, in the order it wants,
 without scanning tars: that is what makes the epoch order ours (deterministic, equal per rank,
 resumable to the sample) instead of a property of a streaming reader.
@@ -41,9 +44,10 @@ class DatasetIndex:
     image_at: np.ndarray  # int64: image offset within the range
     image_len: np.ndarray  # int64
     label_at: np.ndarray  # int64
-    label_len: np.ndarray  # int64
+    label_len: np.ndarray  # int64 (0 in an unlabelled dataset)
     keys: list[str]
-    num_classes: int | None  # from dataset.json; None for shards made elsewhere
+    num_classes: int | None  # from dataset.json; None for shards made elsewhere, and unlabelled ones
+    labelled: bool = True
     classes: list[str] | None = None  # class id -> name, from dataset.json
     # Larger images are bad samples (decompression bombs): the sharder's --max-pixels, or
     # Pillow's default guard for shards made elsewhere.
@@ -60,7 +64,8 @@ class DatasetIndex:
         columns = {k: getattr(self, k)[ids] for k in ("shard", "start", "length", "image_at", "image_len",
                                                        "label_at", "label_len")}
         return DatasetIndex(self.shard_urls, keys=[self.keys[i] for i in ids], num_classes=self.num_classes,
-                            classes=self.classes, max_pixels=self.max_pixels, shard_sha256=self.shard_sha256,
+                            labelled=self.labelled, classes=self.classes, max_pixels=self.max_pixels,
+                            shard_sha256=self.shard_sha256,
                             **columns)
 
 
@@ -73,7 +78,7 @@ def load_index(dataset: str, cache_folder: str | None = None) -> DatasetIndex:
         urls = _expand(dataset)
         if not urls:
             raise DatasetError(f"{dataset}: no tar files match")
-        return _build(urls, [_index_text(u) for u in urls], None, scanned=True)
+        return _build(urls, [_index_text(u) for u in urls], None, None, scanned=True)
     store = open_store(dataset)
     try:
         manifest = read_manifest(store)
@@ -81,7 +86,7 @@ def load_index(dataset: str, cache_folder: str | None = None) -> DatasetIndex:
         raise DatasetError(str(e)) from None
     urls = [store.url(s["name"]) for s in manifest["shards"]]
     texts = _index_texts(store, manifest, cache_folder if is_remote(dataset) else None)
-    index = _build(urls, texts, manifest["num_classes"])
+    index = _build(urls, texts, manifest["num_classes"], manifest["num_classes"] is not None)
     index.classes = manifest.get("classes")
     index.shard_sha256 = [s["sha256"] for s in manifest["shards"]]
     index.max_pixels = manifest.get("parameters", {}).get("image", {}).get("max_pixels") or index.max_pixels
@@ -135,8 +140,10 @@ def _index_text(url: str) -> str:
         raise DatasetError(str(e)) from None
 
 
-def _build(urls: list[str], texts: list[str], num_classes: int | None, scanned: bool = False) -> DatasetIndex:
-    """`scanned`: the index texts may come from scanning the tars, so errors name the tar."""
+def _build(urls: list[str], texts: list[str], num_classes: int | None, labelled: bool | None,
+           scanned: bool = False) -> DatasetIndex:
+    """`labelled` None: as the first sample says. `scanned`: the index texts may come from scanning
+    the tars, so errors name the tar."""
     columns: dict[str, list[int]] = {k: [] for k in ("shard", "start", "length", "image_at", "image_len",
                                                      "label_at", "label_len")}
     keys: list[str] = []
@@ -150,12 +157,15 @@ def _build(urls: list[str], texts: list[str], num_classes: int | None, scanned: 
             members = {fields[i]: (int(fields[i + 1]), int(fields[i + 2]), fields[i + 3])
                        for i in range(0, len(fields) - 3, 4)}
             image_ext = next((e for e in SAMPLE_IMAGE_EXTS if e in members), None)
-            if image_ext is None or "cls" not in members:
+            if labelled is None:
+                labelled = "cls" in members
+            if image_ext is None or (labelled and "cls" not in members):
                 sample = next(iter(members.values()))[2].split(".", 1)[0] if members else f"line {n}"
-                missing = "an image (.jpg/.png/.webp)" if image_ext is None else "a .cls label"
+                missing = "image (.jpg/.png/.webp)" if image_ext is None else ".cls label"
                 raise DatasetError(f"{where}: sample {sample} has no {missing} member "
                                    f"(members: {', '.join(sorted(members)) or 'none'})")
-            (image_off, image_len, name), (label_off, label_len, _) = members[image_ext], members["cls"]
+            image_off, image_len, name = members[image_ext]
+            label_off, label_len, _ = members["cls"] if labelled else (image_off, 0, "")
             start = min(image_off, label_off)
             columns["shard"].append(shard)
             columns["start"].append(start)
@@ -168,4 +178,4 @@ def _build(urls: list[str], texts: list[str], num_classes: int | None, scanned: 
     arrays = {k: np.asarray(v, dtype=np.int32 if k == "shard" else np.int64) for k, v in columns.items()}
     if not keys:
         raise DatasetError("the dataset has no samples")
-    return DatasetIndex(urls, keys=keys, num_classes=num_classes, **arrays)
+    return DatasetIndex(urls, keys=keys, num_classes=num_classes, labelled=labelled, **arrays)

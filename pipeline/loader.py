@@ -1,10 +1,11 @@
 """`build_loader`: the one entry point the trainer uses, whatever the backend.
 
 A Loader yields one epoch per `iter()`, as dicts {"image": N,3,S,S on the device, "label": int64
-(-1 = ignore), "key": "SHARD.tar:KEY" per sample, "position": int64 per sample, its place in the
-epoch's order (with the epoch, what per-sample randomness hashes), "bad": keys replaced, "reads": what reading it
-cost: object-store "requests" and "bytes" (bytes read locally for local shards), shard-cache
-"opens" and "fetches"}. Its state is
+(-1 = ignore: no label, a replaced sample, eval padding), "real": bool per sample (False: a
+replaced sample or eval padding), "key": "SHARD.tar:KEY" per sample, "position": int64 per
+sample, its place in the epoch's order (with the epoch, what per-sample randomness hashes), "bad":
+keys replaced, "reads": what reading it cost: object-store "requests" and "bytes" (bytes read
+locally for local shards), shard-cache "opens" and "fetches"}. Its state is
 (epoch, consumed): how many positions of the epoch's global order all ranks together have taken.
 That is the same number on every rank, so any rank's state restores all of them, at the same or
 another world size or batch size.
@@ -42,7 +43,8 @@ class SyntheticBackend:
     def batches(self, epoch: int, rank_slice: RankSlice):
         for batch in range(rank_slice.num_batches):
             yield {"image": self.images, "label": self.labels, "key": [], "bad": [], "reads": {},
-                   "position": torch.from_numpy(rank_slice.positions(batch))}
+                   "position": torch.from_numpy(rank_slice.positions(batch)),
+                   "real": torch.ones(len(self.labels), dtype=torch.bool)}
 
 
 def choose_backend(spec: LoaderSpec, device: torch.device) -> tuple[str, str]:

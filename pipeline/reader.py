@@ -3,7 +3,9 @@
 Both backends start from the same RawBatch, so they see the same samples, in the same order,
 with the same crop windows. Samples whose bytes are plainly broken (no JPEG start or end marker,
 an unreadable header) are swapped here for a small blank image with label -1, which the loss
-ignores: the batch keeps its size, every rank keeps its step count, the key is reported.
+ignores: the batch keeps its size, every rank keeps its step count, the key is reported. `real`
+marks the samples that are neither such blanks nor eval padding: an unlabelled dataset's samples
+all carry label -1, so a self-supervised loss goes by `real` instead.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class RawBatch:
     windows: Windows
     keys: list[str]
     positions: np.ndarray  # int64: each sample's position in the epoch's order (what augmentation hashes)
+    real: np.ndarray  # bool: False for replaced samples and eval padding
     bad: list[str] = field(default_factory=list)
     # RandAugment's plan, (samples, operations) each: indices into randaugment.OPS, and negated or not
     augment_ops: np.ndarray | None = None
@@ -65,6 +68,7 @@ class RawBatch:
         self.bad.append(self.keys[i])
         self.images[i] = BLANK_JPEG
         self.labels[i] = IGNORE_LABEL
+        self.real[i] = False
         self.widths[i] = self.heights[i] = BLANK_SIDE
         for name, value in (("x", 0.0), ("y", 0.0), ("w", BLANK_SIDE), ("h", BLANK_SIDE)):
             getattr(self.windows, name)[i] = value
@@ -216,22 +220,24 @@ def make_batch(index: DatasetIndex, reader: SampleReader, order: np.ndarray, ran
         images.append(region[at:at + n])
         label_at = int(index.label_at[sample])
         label_text = region[label_at:label_at + int(index.label_len[sample])]
-        labels[i] = int(label_text) if label_text.strip().isdigit() else IGNORE_LABEL
+        labels[i] = int(label_text) if index.labelled and label_text.strip().isdigit() else IGNORE_LABEL
         label_texts.append(label_text)
         keys.append(index.keys[sample])
+    real = np.ones(len(regions), bool)
     if not spec.train:
-        labels[positions >= len(order)] = IGNORE_LABEL  # eval padding must not count twice
+        real[positions >= len(order)] = False  # eval padding must not count twice
+        labels[~real] = IGNORE_LABEL
     sizes = [image_size(data, index.max_pixels) for data in images]
     widths = np.array([s[0] if s else BLANK_SIDE for s in sizes], np.int64)
     heights = np.array([s[1] if s else BLANK_SIDE for s in sizes], np.int64)
     raw = RawBatch(images, labels, widths, heights, crop_windows(widths, heights, positions, spec, epoch), keys,
-                   positions, reads=reads)
+                   positions, real, reads=reads)
     if spec.train and spec.randaugment:
         raw.augment_ops, raw.augment_negate = randaugment.plan(spec.seed, epoch, positions, spec.randaugment[0])
     for i, size in enumerate(sizes):
         if size is None:
             raw.replace(i, f"not an intact image (bad markers or header) or over {index.max_pixels} pixels")
-        elif raw.labels[i] == IGNORE_LABEL and positions[i] < len(order):
+        elif index.labelled and raw.labels[i] == IGNORE_LABEL and positions[i] < len(order):
             log.warning("sample %s: label %r is not a class id; it is ignored (label -1)", keys[i], label_texts[i])
             raw.bad.append(keys[i])
     return raw

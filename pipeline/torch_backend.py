@@ -57,7 +57,7 @@ def decode_batch(raw: RawBatch, size: int, magnitude: int = 0) -> dict:
             pixels = torch.from_numpy(out[i]).permute(2, 0, 1)
             out[i] = randaugment.apply(pixels, raw.augment_ops[i], raw.augment_negate[i], magnitude).permute(1, 2, 0)
     return {"image": torch.from_numpy(out), "label": torch.from_numpy(raw.labels), "key": raw.keys, "bad": raw.bad,
-            "reads": raw.reads, "position": torch.from_numpy(raw.positions)}
+            "reads": raw.reads, "position": torch.from_numpy(raw.positions), "real": torch.from_numpy(raw.real)}
 
 
 class Normalise:
@@ -121,7 +121,8 @@ class TorchBackend:
             for batch in loader:
                 yield {"image": self.normalise(batch["image"].to(self.device, non_blocking=True)),
                        "label": batch["label"].to(self.device, non_blocking=True), "key": batch["key"],
-                       "bad": batch["bad"], "reads": batch["reads"], "position": batch["position"]}
+                       "bad": batch["bad"], "reads": batch["reads"], "position": batch["position"],
+                       "real": batch["real"]}
         else:
             # Receiving a batch from a worker (unpickling, mapping its shared memory) takes a few ms of
             # the consumer's thread for a large batch; a thread takes it while the step runs. (On a

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from vitforge.core import Progress, UsageError, open_store
 
 from .images import ImageOptions, Rejected, normalise
-from .manifest import HISTOGRAMS, PLAN_NAME, RECORDS_DIR, ManifestError, merge, record_name, shard_name
+from .manifest import HISTOGRAMS, PLAN_NAME, RECORDS_DIR, ManifestError, labelled, merge, record_name, shard_name
 from .parallel import ordered_map
 from .plan import Plan, PlanItem, fingerprint, make_plan
 from .sources import display_path, list_corpus, load_class_names, read_source
@@ -44,6 +44,7 @@ class ShardJob:
     path_column: str = "path"
     label_column: str = "label"
     root: str | None = None  # manifest rows must resolve inside it (default: the manifest's folder)
+    labels: bool = True  # False: an unlabelled corpus (samples without a .cls member)
     workers: int = 1
     num_parts: int = 1
     part: int = 0
@@ -55,6 +56,8 @@ class ShardJob:
             raise UsageError("give --shard-bytes, --shard-samples or both")
         if not 0 <= self.part < self.num_parts:
             raise UsageError(f"--part {self.part} is outside 0..{self.num_parts - 1} (--num-parts {self.num_parts})")
+        if not self.labels and self.classes_file:
+            raise UsageError("--classes and --no-labels contradict each other")
         if self.workers < 1:
             raise UsageError(f"--workers must be >= 1, not {self.workers}")
 
@@ -64,7 +67,7 @@ class ShardJob:
             "src": self.src, "prefix": self.prefix, "seed": self.seed, "shard_bytes": self.shard_bytes,
             "shard_samples": self.shard_samples, "image": asdict(self.image), "dedup": self.dedup,
             "classes_file": self.classes_file, "path_column": self.path_column, "label_column": self.label_column,
-            "root": self.root,
+            "root": self.root, "labels": self.labels,
         }
 
 
@@ -89,7 +92,8 @@ def command_line(parameters: dict) -> str:
     args += [] if image["validate"] else ["--no-validate"]
     args += ["--dedup"] if parameters["dedup"] else []
     args += ["--classes", parameters["classes_file"]] if parameters["classes_file"] else []
-    args += ["--path-column", parameters["path_column"], "--label-column", parameters["label_column"]]
+    args += ["--path-column", parameters["path_column"]]
+    args += ["--label-column", parameters["label_column"]] if labelled(parameters) else ["--no-labels"]
     args += ["--root", parameters["root"]] if parameters.get("root") else []
     return shlex.join(display_path(a) for a in args)
 
@@ -135,7 +139,7 @@ def _load_or_make_plan(job: ShardJob, store) -> Plan:
         return plan
     classes = load_class_names(job.classes_file) if job.classes_file else None
     corpus = list_corpus(job.src, classes=classes, path_column=job.path_column, label_column=job.label_column,
-                         root=job.root)
+                         root=job.root, labelled=job.labels)
     plan = make_plan(corpus, job.output_parameters(), seed=job.seed, shard_bytes=job.shard_bytes,
                      shard_samples=job.shard_samples, dedup=job.dedup)
     # Every part of a job array computes the same plan, so concurrent writers store identical bytes.
@@ -186,7 +190,8 @@ def _pack_shard(staging: str, results, progress: Progress) -> StagedShard:
                     rejects.append(result["reject"])
                 else:
                     writer.write(result["sample"])
-                    class_counts[result["label"]] += 1
+                    if result["label"] is not None:
+                        class_counts[result["label"]] += 1
                     changes.update(result["changes"])
                     for name, counter in histograms.items():
                         counter[power_of_two_band(result[name])] += 1
@@ -242,8 +247,9 @@ def _process_item(item: PlanItem, *, opts: ImageOptions, classes: tuple[str, ...
     except OSError as e:
         detail = f"{type(e).__name__}: {e.strerror or e}"
         return {"reject": {"key": item.key, "source": shown, "reason": "unreadable", "detail": detail}}
-    info = {"source": shown, "label": item.label, "class": classes[item.label],
-            "sha256": hashlib.sha256(data).hexdigest(), "source_bytes": len(data)}
+    info = {"source": shown, "sha256": hashlib.sha256(data).hexdigest(), "source_bytes": len(data)}
+    if item.label is not None:
+        info.update({"label": item.label, "class": classes[item.label]})
     if opts.validate:
         info.update(width=encoded.width, height=encoded.height,
                     source_width=encoded.source_width, source_height=encoded.source_height)
@@ -251,7 +257,8 @@ def _process_item(item: PlanItem, *, opts: ImageOptions, classes: tuple[str, ...
         info["normalised"] = list(encoded.changes)
     if item.meta:
         info["meta"] = item.meta
-    sample = {"__key__": item.key, encoded.ext: encoded.data, "cls": str(item.label).encode(),
+    label = {} if item.label is None else {"cls": str(item.label).encode()}
+    sample = {"__key__": item.key, encoded.ext: encoded.data, **label,
               "json": json.dumps(info, sort_keys=True).encode()}
     return {"sample": sample, "label": item.label, "changes": encoded.changes, "bytes": len(data),
             "image_bytes": len(encoded.data), "short_side": min(encoded.width, encoded.height)}

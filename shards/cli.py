@@ -24,6 +24,8 @@ Pack an image corpus into WebDataset tar shards with DALI index files and a data
 
 SRC is a class-folder tree (SRC/CLASS/IMAGE, as ImageNet's train split) or a CSV / TSV / JSONL /
 Parquet manifest with a path column and a label column; DEST is a folder or an s3:// prefix.
+With --no-labels, SRC is any folder of images (at any depth) or a manifest with only a path
+column, and the samples carry no label: for self-supervised pre-training (masked patch prediction).
 Object-store endpoint and credentials come from the standard AWS environment (AWS_ENDPOINT_URL,
 AWS_PROFILE, AWS_ACCESS_KEY_ID ...)."""
 
@@ -68,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     labels = p.add_argument_group("labels")
     labels.add_argument("--classes", dest="classes_file", default=None,
                         help="class names: a text file (one per line), a JSON list/dict, or another dataset.json")
+    labels.add_argument("--no-labels", dest="labels", action="store_false",
+                        help="an unlabelled corpus: every image under SRC, or every manifest row, without a label")
     labels.add_argument("--path-column", default="path", help="manifest column with the image path (default path)")
     labels.add_argument("--label-column", default="label", help="manifest column with the label (default label)")
     labels.add_argument("--root", default=None,
@@ -127,8 +131,8 @@ def _shard(args: argparse.Namespace) -> int:
         image=ImageOptions(format=args.format, quality=args.quality, max_side=args.max_side,
                            min_side=args.min_side, max_pixels=args.max_pixels, validate=args.validate),
         dedup=args.dedup, classes_file=args.classes_file, path_column=args.path_column,
-        label_column=args.label_column, root=args.root, workers=args.workers, num_parts=args.num_parts,
-        part=_part_from_env() if args.part is None else args.part,
+        label_column=args.label_column, root=args.root, labels=args.labels, workers=args.workers,
+        num_parts=args.num_parts, part=_part_from_env() if args.part is None else args.part,
     )
     result = run(job)
     print(f"part {job.part + 1} of {job.num_parts}: built {result.shards_built} shards, "
@@ -140,10 +144,14 @@ def _shard(args: argparse.Namespace) -> int:
     return 0
 
 
+def _classes(manifest: dict) -> str:
+    return "unlabelled" if manifest["num_classes"] is None else f"{manifest['num_classes']} classes"
+
+
 def _summary(manifest: dict, dest: str) -> str:
     t = manifest["totals"]
     lines = [f"{t['inputs']} inputs = {t['samples']} packed + {t['rejected']} rejected + {t['duplicates']} duplicates",
-             f"{t['shards']} shards, {t['bytes']} bytes, {manifest['num_classes']} classes -> {dest}"]
+             f"{t['shards']} shards, {t['bytes']} bytes, {_classes(manifest)} -> {dest}"]
     if manifest["rejects_by_reason"]:
         reasons = ", ".join(f"{k} {v}" for k, v in manifest["rejects_by_reason"].items())
         lines.append(f"rejected: {reasons} (details in rejects.jsonl)")

@@ -67,7 +67,8 @@ def merge(store, plan: Plan, command: str) -> dict:
     manifest = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "created_by": f"vitforge {__version__}",
         "command": command, "parameters": plan.parameters, "plan_fingerprint": plan.fingerprint,
-        "classes": plan.classes, "num_classes": len(plan.classes),
+        # An unlabelled dataset (sharded with --no-labels) has no classes: num_classes is null.
+        "classes": plan.classes, "num_classes": len(plan.classes) if labelled(plan.parameters) else None,
         "class_counts": [class_counts.get(i, 0) for i in range(len(plan.classes))],
         "totals": totals,
         "rejects_by_reason": dict(sorted(Counter(r["reason"] for r in rejects).items())),
@@ -83,6 +84,10 @@ def merge(store, plan: Plan, command: str) -> dict:
          for d in plan.duplicates]))
     store.put_bytes(MANIFEST_NAME, json.dumps(manifest, indent=1, sort_keys=True).encode() + b"\n")
     return manifest
+
+
+def labelled(parameters: dict) -> bool:
+    return parameters.get("labels", True)
 
 
 def read_manifest(store) -> dict:

@@ -1,6 +1,7 @@
 """List the inputs of a corpus: class-folder trees or CSV / JSONL / Parquet manifests, local or fsspec URLs.
 
-The result is a list of SourceRecord in a stable order plus the class map. Nothing here reads
+The result is a list of SourceRecord in a stable order plus the class map (empty for an unlabelled
+corpus: a folder of images at any depth, or a manifest without labels). Nothing here reads
 image bytes; problems with individual rows (missing file, unknown label) travel with the record
 as `problem` so the sharder can count them as rejects instead of failing the run.
 """
@@ -32,7 +33,7 @@ class SourceError(UsageError):
 @dataclass
 class SourceRecord:
     source: str  # local path or fsspec URL; may hold surrogate escapes for non-UTF-8 names
-    label: int | None
+    label: int | None  # None: the corpus is unlabelled, or (with a problem) the label is not in the class map
     size: int = 0  # bytes on the source, used to plan shard sizes; 0 when unknown
     meta: dict = field(default_factory=dict)
     problem: tuple[str, str] | None = None  # (reason, detail) when the row can never be packed
@@ -45,7 +46,7 @@ class SourceRecord:
 @dataclass
 class Corpus:
     records: list[SourceRecord]
-    classes: list[str]  # class id -> name
+    classes: list[str]  # class id -> name; empty for an unlabelled corpus
 
 
 def display_path(path: str) -> str:
@@ -54,16 +55,18 @@ def display_path(path: str) -> str:
 
 
 def list_corpus(src: str, *, classes: list[str] | None = None, path_column: str = "path",
-                label_column: str = "label", root: str | None = None, stat_threads: int = 32) -> Corpus:
+                label_column: str = "label", root: str | None = None, labelled: bool = True,
+                stat_threads: int = 32) -> Corpus:
     """`root`: for manifests, the folder (or URL prefix) every row must resolve inside; default the
-    manifest's own folder, "/" for any local path."""
+    manifest's own folder, "/" for any local path. `labelled=False`: every image under a folder, at
+    any depth, or every manifest row, without a label (for self-supervised pre-training)."""
     if src.startswith("file://"):
         src = src[len("file://"):]
     if src.rstrip("/").lower().endswith(MANIFEST_SUFFIXES):
-        corpus = _from_manifest(src, classes, path_column, label_column, root)
+        corpus = _from_manifest(src, classes, path_column, label_column if labelled else None, root)
         _fill_sizes(corpus.records, stat_threads)
         return corpus
-    return _from_class_folders(src, classes)
+    return _from_class_folders(src, classes) if labelled else _from_folder(src)
 
 
 def load_class_names(path: str) -> list[str]:
@@ -82,20 +85,34 @@ def load_class_names(path: str) -> list[str]:
     return names
 
 
-def _from_class_folders(src: str, classes: list[str] | None) -> Corpus:
+def _list_files(src: str) -> list[tuple[str, str, int]]:
+    """(path relative to src with "/" separators, path or URL to read, size) of every file under src."""
     if is_url(src):
         fs, root = fsspec.core.url_to_fs(src)
         found = fs.find(root, detail=True)
-        entries = [(posixpath.relpath(p, root), p, info.get("size") or 0, fs.unstrip_protocol(p))
-                   for p, info in found.items() if info.get("type") != "directory"]
-    else:
-        if not os.path.isdir(src):
-            raise SourceError(f"{src}: not a folder, and not a .csv/.jsonl/.parquet manifest")
-        entries = [(os.path.relpath(p, src), p, size, p) for p, size in _walk_local(src)]
+        return [(posixpath.relpath(p, root), fs.unstrip_protocol(p), info.get("size") or 0)
+                for p, info in found.items() if info.get("type") != "directory"]
+    if not os.path.isdir(src):
+        raise SourceError(f"{src}: not a folder, and not a .csv/.jsonl/.parquet manifest")
+    return [(os.path.relpath(p, src).replace(os.sep, "/"), p, size) for p, size in _walk_local(src)]
+
+
+def _is_image(rel: str) -> bool:
+    return os.path.splitext(rel)[1].lower() in IMAGE_EXTENSIONS
+
+
+def _from_folder(src: str) -> Corpus:
+    records = [SourceRecord(url, None, size, name=rel) for rel, url, size in sorted(_list_files(src)) if _is_image(rel)]
+    if not records:
+        raise SourceError(f"{display_path(src)}: no images found under it")
+    return Corpus(records, [])
+
+
+def _from_class_folders(src: str, classes: list[str] | None) -> Corpus:
     by_class: dict[str, list] = {}
-    for rel, _, size, url in entries:
-        parts = rel.replace(os.sep, "/").split("/")
-        if len(parts) < 2 or os.path.splitext(parts[-1])[1].lower() not in IMAGE_EXTENSIONS:
+    for rel, url, size in _list_files(src):
+        parts = rel.split("/")
+        if len(parts) < 2 or not _is_image(rel):
             continue
         by_class.setdefault(parts[0], []).append((rel, url, size))
     if not by_class:
@@ -105,7 +122,7 @@ def _from_class_folders(src: str, classes: list[str] | None) -> Corpus:
     records = []
     for name in sorted(by_class):
         for rel, url, size in sorted(by_class[name]):
-            record = SourceRecord(url, ids.get(name), size, name=rel.replace(os.sep, "/"))
+            record = SourceRecord(url, ids.get(name), size, name=rel)
             if record.label is None:
                 record.problem = ("label_unknown", f"class folder {display_path(name)!r} is not in the class map")
             records.append(record)
@@ -163,22 +180,25 @@ def _read_manifest_rows(path: str) -> list[dict]:
     return list(csv.DictReader(io.StringIO(text), delimiter="\t" if lower.endswith(".tsv") else ","))
 
 
-def _from_manifest(path: str, classes: list[str] | None, path_column: str, label_column: str,
+def _from_manifest(path: str, classes: list[str] | None, path_column: str, label_column: str | None,
                    root: str | None) -> Corpus:
+    """`label_column` None: an unlabelled corpus; every column but the path is kept as metadata."""
     try:
         rows = _read_manifest_rows(path)
     except FileNotFoundError:
         raise SourceError(f"{path}: manifest not found") from None
     if not rows:
         raise SourceError(f"{path}: manifest has no rows")
-    for column in (path_column, label_column):
+    for column in (path_column, label_column) if label_column else (path_column,):
         if column not in rows[0]:
             raise SourceError(f"{path}: no column {column!r} (columns: {', '.join(map(str, rows[0]))})")
     base = path.rsplit("/", 1)[0] if "/" in path else "."
     inside = _root_check(root or base)
-    labels = [row.get(label_column) for row in rows]
+    labels = [row.get(label_column) for row in rows] if label_column else []
     numeric = all(_as_int(v) is not None for v in labels if v not in (None, ""))
-    if classes is None:
+    if not label_column:
+        classes = []
+    elif classes is None:
         if numeric:
             top = max((_as_int(v) for v in labels if v not in (None, "")), default=-1)
             classes = [str(i) for i in range(top + 1)]
@@ -190,14 +210,14 @@ def _from_manifest(path: str, classes: list[str] | None, path_column: str, label
         raw_path, raw_label = row.get(path_column), row.get(label_column)
         source = _resolve(str(raw_path or ""), base)
         meta = {k: _jsonable(v) for k, v in row.items() if k not in (path_column, label_column)}
-        label = _label_id(raw_label, ids, numeric, len(classes))
+        label = _label_id(raw_label, ids, numeric, len(classes)) if label_column else None
         record = SourceRecord(source, label, 0, meta, name=str(raw_path or ""))
         if not raw_path:
             record.problem = ("missing_path", f"manifest row {n} has an empty {path_column!r}")
         elif not inside(source):
             record.problem = ("outside_root", f"manifest row {n}: {display_path(str(raw_path))!r} resolves outside "
                                               f"{display_path(root or base)!r} (widen with --root)")
-        elif label is None:
+        elif label is None and label_column:
             record.problem = ("label_unknown", f"manifest row {n}: label {raw_label!r} is not in the class map")
         records.append(record)
     return Corpus(records, list(classes))

@@ -31,7 +31,7 @@ def verify(dest: str, workers: int = 1) -> tuple[dict, list[str]]:
     return manifest, problems
 
 
-def _verify_shard(shard: dict, *, dest: str, num_classes: int) -> list[str]:
+def _verify_shard(shard: dict, *, dest: str, num_classes: int | None) -> list[str]:
     store = open_store(dest)
     name = shard["name"]
     with tempfile.TemporaryDirectory(prefix="vitforge-verify-") as tmp:
@@ -60,8 +60,9 @@ def _verify_shard(shard: dict, *, dest: str, num_classes: int) -> list[str]:
         return problems
 
 
-def _read_tar(path: str, num_classes: int) -> tuple[bytes, int, list[str]]:
-    """Rebuild the DALI index from the tar itself and check every sample's members."""
+def _read_tar(path: str, num_classes: int | None) -> tuple[bytes, int, list[str]]:
+    """Rebuild the DALI index from the tar itself and check every sample's members (a label below
+    num_classes; none at all when num_classes is None: an unlabelled dataset)."""
     groups: list[tuple[str, list]] = []
     problems = []
     with tarfile.open(path, "r:") as tar:
@@ -88,7 +89,10 @@ def _read_tar(path: str, num_classes: int) -> tuple[bytes, int, list[str]]:
             except Rejected as e:
                 problems.append(f"sample {key}: image does not decode: {e.detail}")
         label = by_ext.get("cls", b"").decode("ascii", "replace")
-        if not label.isdigit() or int(label) >= num_classes:
+        if num_classes is None:
+            if "cls" in by_ext:
+                problems.append(f"sample {key}: has a .cls label {label!r} but the dataset is unlabelled")
+        elif not label.isdigit() or int(label) >= num_classes:
             problems.append(f"sample {key}: label {label!r} is not a class id below {num_classes}")
         if "json" in by_ext:
             try:
@@ -112,6 +116,7 @@ def info(dest: str) -> str:
         f" ({_human(totals['bytes'] / max(totals['samples'], 1))} per sample)",
         f"inputs       {totals['inputs']} = {totals['samples']} packed + {totals['rejected']} rejected"
         f" + {totals['duplicates']} duplicates",
+        "classes      none (unlabelled)" if manifest["num_classes"] is None else
         f"classes      {manifest['num_classes']}; samples per class min {min(counts, default=0)},"
         f" median {statistics.median(counts) if counts else 0:g}, max {max(counts, default=0)}",
         f"shard sizes  min {_human(sizes[0] if sizes else 0)}, median {_human(statistics.median(sizes) if sizes else 0)},"

@@ -38,7 +38,8 @@ def tree_bytes(root: Path) -> dict[str, bytes]:
 
 
 def dataset_samples(out: Path) -> list[dict]:
-    """Every sample of a sharded dataset, read with tarfile: key, info (json), cls, ext, image bytes."""
+    """Every sample of a sharded dataset, read with tarfile: key, info (json), cls (None when it has
+    none), ext, image bytes."""
     manifest = json.loads((out / "dataset.json").read_text())
     samples = []
     for shard in manifest["shards"]:
@@ -50,7 +51,8 @@ def dataset_samples(out: Path) -> list[dict]:
             by_key.setdefault(key, {"key": key})[ext] = data
         for key, sample in by_key.items():
             ext = next(e for e in ("jpg", "png", "webp") if e in sample)
-            samples.append({"key": key, "info": json.loads(sample["json"]), "cls": int(sample["cls"]),
+            cls = int(sample["cls"]) if "cls" in sample else None
+            samples.append({"key": key, "info": json.loads(sample["json"]), "cls": cls,
                             "ext": ext, "image_bytes": sample[ext]})
     return samples
 

@@ -48,7 +48,7 @@ def test_tars_that_are_not_webdataset_get_one_line_naming_tar_and_member(tmp_pat
     assert "cut-0.tar: member b.jpg is cut short" in line
     _tar(tmp_path / "nolabel-0.tar", [("a.jpg", jpeg), ("a.cls", b"1"), ("b.jpg", jpeg)])
     line = _loader_error(str(tmp_path / "nolabel-0.tar"))
-    assert "nolabel-0.tar: sample b has no a .cls label member" in line and ".idx" not in line
+    assert "nolabel-0.tar: sample b has no .cls label member" in line and ".idx" not in line
 
 
 def test_manifest_rows_outside_the_root_are_rejected_even_without_validation(small_corpus, tmp_path):

@@ -66,14 +66,19 @@ def test_pre_training_learns_colours_and_fine_tuning_starts_from_its_encoder(dat
 
     from vitforge.trainer import adapt_state_dict, build_model
 
+    # Pre-training needs no labels: the same images, sharded without them.
+    for split in ("train", "val"):
+        vitforge("shard", data / f"{split}_src", tmp_path / split, "--no-labels", "--shard-samples", "64",
+                 "--workers", "2")
     logs = tmp_path / "mpp"
     train(data, "mpp", "train.objective=masked_patch_prediction", "train.steps=60", "train.log_every=10",
-          "train.eval_every=60", "train.checkpoint_every=60", "augment.flip=false", f"checkpoint.log_dir={logs}")
+          "train.eval_every=60", "train.checkpoint_every=60", "augment.flip=false", f"checkpoint.log_dir={logs}",
+          f"data.train={tmp_path / 'train'}", f"data.val={tmp_path / 'val'}")
     history = losses(logs)
     assert history[60] < 0.7 * history[10], history  # predicting colours is learnable
     final = [json.loads(line) for line in (logs / "metrics.jsonl").read_text().splitlines()][-1]
     assert final["eval_patches"] == 100 * 8 and final["eval_colour_top1"] > 1 / 512 * 20
-    figures = json.loads(vitforge("inspect", data / "runs" / "mpp", "--images", data / "val", "--count", "4",
+    figures = json.loads(vitforge("inspect", data / "runs" / "mpp", "--images", tmp_path / "val", "--count", "4",
                                   "--out", tmp_path / "figures").stdout.strip().splitlines()[-1])
     assert figures["grid"] == [4, 4] and len(figures["mean_attention_distance_per_layer"]) == 2
     # The fine-tuning start: the encoder's weights exactly, a zero-initialised classifier.

@@ -53,14 +53,15 @@ def classification_inputs(batch: dict, module: torch.nn.Module, epoch: int, seed
 
 def masked_patch_inputs(batch: dict, module: torch.nn.Module, epoch: int, seed: int) -> tuple[tuple, torch.Tensor]:
     """The corrupted patches' plan and their colour classes (-1 for the rest, and for every patch of
-    a sample the loader marked -1: replaced, or eval padding), from the pixels the model sees."""
+    a sample the loader marked not real: replaced, or eval padding), from the pixels the model sees.
+    Class labels play no part: the data may have none."""
     images = batch["image"]
     grid = tuple(module.vit.patch_embed.grid_size)
     action, source = (torch.from_numpy(a).to(images.device)
                       for a in corruption(seed, epoch, batch["position"].numpy(), grid[0] * grid[1]))
     mean, std = (torch.tensor(v, device=images.device).view(1, 3, 1, 1) for v in (IMAGENET_MEAN, IMAGENET_STD))
     targets = colour_targets(images.float() * std + mean, grid)
-    skipped = (batch["label"] == IGNORE_LABEL).to(images.device).view(-1, 1)
+    skipped = ~batch["real"].to(images.device).view(-1, 1)
     targets = targets.masked_fill((action == UNTOUCHED) | skipped, IGNORE_LABEL)
     return (images, action, source), targets
 

@@ -367,10 +367,11 @@ def _build(cfg: Config, env, device, stop: StopRequest) -> tuple[Trainer, Checkp
     _seed_everything(cfg.train.seed)
     train_loader = build_data_loader(cfg, cfg.data.train, True, env, device)
     index = train_loader.index
-    num_classes = cfg.model.num_classes or (index.num_classes if index else None)
-    if not num_classes:
-        raise ConfigError("model.num_classes is not set and the training data has no dataset.json to read it from")
     val_loader = build_data_loader(cfg, cfg.data.val, False, env, device) if cfg.data.val else None
+    num_classes = cfg.model.num_classes or (index.num_classes if index else None)
+    _check_labelled(cfg.train.objective, train_loader, val_loader)
+    if cfg.train.objective == "classification" and not num_classes:
+        raise ConfigError("model.num_classes is not set and the training data has no dataset.json to read it from")
     metrics = MetricsLog(metrics_folder(cfg), enabled=env.rank == 0)
     checkpointer = Checkpointer(cfg.checkpoint.run_url, cfg.checkpoint.staging, cfg.checkpoint.keep_last,
                                 cfg.checkpoint.keep_every, cfg.checkpoint.lease_minutes,
@@ -409,6 +410,16 @@ def _build(cfg: Config, env, device, stop: StopRequest) -> tuple[Trainer, Checkp
     else:
         metrics.resume_at(0, None)
     return trainer, checkpointer
+
+
+def _check_labelled(objective: str, *loaders) -> None:
+    """Classification needs class labels; masked patch prediction takes its targets from pixels."""
+    if objective != "classification":
+        return
+    for loader in loaders:
+        if loader is not None and loader.index is not None and not loader.index.labelled:
+            raise ConfigError(f"{loader.spec.dataset} has no class labels (sharded with --no-labels): classification "
+                              "needs them; pre-train on it with --set train.objective=masked_patch_prediction")
 
 
 def _saved_metrics(checkpointer: Checkpointer) -> bytes | None:
@@ -466,6 +477,7 @@ def run_eval(cfg: Config, checkpoint_url: str, model_overrides: set[str]) -> dic
             val_loader = build_data_loader(eval_cfg, cfg.data.val, False, env, device)
             _check_classes(weights.manifest.get("classes"), getattr(val_loader.index, "classes", None))
             objective = weights.manifest.get("objective", "classification")
+            _check_labelled(objective, val_loader)
             model = build_model(model_cfg.name, num_classes, model_cfg.image_size, pre_logits=model_cfg.pre_logits,
                                 objective=objective).to(device)
             load_exact(model, weights.state, weights.url)
