@@ -29,11 +29,7 @@ test: setup system-packages
 	$(PY) -m pytest -q tests
 
 bench: setup
-	$(PY) benchmarks/shard_bench.py
-	$(PY) benchmarks/loader_bench.py
-	$(PY) benchmarks/train_bench.py
-	$(PY) benchmarks/ckpt_bench.py
-	$(PY) benchmarks/egress_bench.py
+	PYTHON=$(PY) benchmarks/run_all.sh
 
 # Small wheels (and DeepSpeed's sdist) benchmarks/gpu_check.sh installs on the GPU machine, which has no network.
 gpu-wheels:

@@ -67,12 +67,12 @@ def run(args, work: str, server) -> int:
     from vitforge.trainer.model import build_model
     from vitforge.trainer.run_store import RunStore, tag_for
 
-    init_distributed(detect_env())
+    device = init_distributed(detect_env())
     cfg = load_config("tiny_cpu", [f"model.name={args.model}", f"model.image_size={args.image_size}",
                                    "train.micro_batch=8", "train.global_batch=8", "train.precision=fp32",
                                    "data.train=synthetic", "train.steps=100000"])
     torch.manual_seed(0)
-    engine = build_engine(cfg, lambda: build_model(args.model, 1000, args.image_size), 1)
+    engine = build_engine(cfg, lambda: build_model(args.model, 1000, args.image_size), 1, device)
     images, labels = torch.randn(8, 3, args.image_size, args.image_size), torch.randint(0, 1000, (8,))
 
     def step() -> float:

@@ -34,7 +34,9 @@ class PlanInput:
     gpu_decode_cpu_ms: float = 0.2
     mean_image_bytes: int = 110_000  # an ImageNet-like JPEG
     shard_bytes: int = 1 << 30
-    read_block_bytes: int = 0  # the loader's read size from the object store; 0: one GET per sample
+    # The loader's reads from the object store: whole shards in ranged GETs of data.read_block_mb
+    # (16 MiB by default); 0: one GET per sample (a per-sample reader's count)
+    read_block_bytes: int = 16 << 20
     checkpoint_bandwidth: float = 1e9  # bytes/s one rank writes to the store
     store_bandwidth: float = 50e9  # bytes/s the store accepts from the whole job
     node_mtbf_hours: float = 5_000.0  # mean time between failures of one node

@@ -25,55 +25,84 @@ class SpecError(UsageError):
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
 
 class Container(Strict):
-    image: str  # pyxis/enroot --container-image
-    mounts: list[str] = []  # --container-mounts SRC:DST
+    image: str
+    """A container image for pyxis/enroot (srun --container-image)."""
+    mounts: list[str] = []
+    """SRC:DST mounts (srun --container-mounts)."""
 
 
 class TrainJob(Strict):
-    config: str  # a trainer recipe name or YAML path, as `vitforge train` takes it
-    overrides: list[str] = []  # --set KEY=VALUE for the trainer
-    dataset: str | None = None  # sets data.train
-    checkpoint_dir: str | None = None  # sets checkpoint.dir (s3:// for runs that survive any node)
+    config: str
+    """A trainer recipe name or YAML path, as `vitforge train` takes it."""
+    overrides: list[str] = []
+    """KEY=VALUE trainer overrides (`--set`), e.g. [train.steps=1000]."""
+    dataset: str | None = None
+    """Sets data.train."""
+    checkpoint_dir: str | None = None
+    """Sets checkpoint.dir (s3:// for runs that survive any node)."""
 
 
 class ShardArray(Strict):
-    src: str  # what `vitforge shard` takes: class folders or a manifest, local or s3://
+    src: str
+    """What `vitforge shard` takes: class folders or a manifest, local or s3://."""
     dest: str
-    num_parts: int = Field(ge=1)  # one array task per part
-    throttle: int | None = Field(None, ge=1)  # at most this many parts at once (--array=...%N)
-    args: list[str] = []  # more `vitforge shard` options, e.g. [--shard-bytes, 1GiB, --max-side, "512"]
+    """The dataset's folder or s3:// prefix."""
+    num_parts: int = Field(ge=1)
+    """One array task per part; a dependent job merges them into dataset.json."""
+    throttle: int | None = Field(None, ge=1)
+    """At most this many parts at once (--array=...%N)."""
+    args: list[str] = []
+    """More `vitforge shard` options, e.g. [--shard-bytes, 1GiB, --max-side, "512"]."""
 
 
 class LaunchSpec(Strict):
     name: str
+    """The job's name (letters, digits, '_', '.', '-')."""
     nodes: int = Field(1, ge=1)
     gpus_per_node: int = Field(8, ge=0)
-    tasks_per_node: int | None = Field(None, ge=1)  # default: one task per GPU (1 without GPUs)
+    tasks_per_node: int | None = Field(None, ge=1)
+    """Default: one task (rank) per GPU, 1 without GPUs."""
     cpus_per_task: int = Field(8, ge=1)
-    # Memory: at most one of these (SLURM's --mem, --mem-per-cpu, --mem-per-gpu); none: the partition's default.
-    mem_per_node: str | None = None  # e.g. "900G"
-    mem_per_cpu: str | None = None  # e.g. "8G": scales with cpus_per_task x tasks
-    mem_per_gpu: str | None = None  # e.g. "110G"
-    gpu_type: str | None = None  # a GRES type, e.g. "h100": requests --gpus-per-node=h100:8
-    time: str = "04:00:00"  # D-HH:MM:SS
+    """CPU cores per rank (decode workers run on them)."""
+    mem_per_node: str | None = None
+    """SLURM's --mem, e.g. "900G". Give at most one memory request; none: the partition's default."""
+    mem_per_cpu: str | None = None
+    """SLURM's --mem-per-cpu, e.g. "8G": scales with cpus_per_task x tasks."""
+    mem_per_gpu: str | None = None
+    """SLURM's --mem-per-gpu, e.g. "110G"."""
+    gpu_type: str | None = None
+    """A GRES type, e.g. "h100": requests --gpus-per-node=h100:8."""
+    time: str = "04:00:00"
+    """The time limit, D-HH:MM:SS (SLURM's forms); the trainer stops itself signal_lead_s before it."""
     partition: str | None = None
     account: str | None = None
     qos: str | None = None
-    constraint: str | None = None  # e.g. "h100" or a GPU type feature
+    constraint: str | None = None
+    """A node feature, e.g. "h100"."""
     exclusive: bool = False
+    """Whole nodes only."""
     container: Container | None = None
-    venv: str | None = None  # a virtualenv to activate on every node
+    """Run the ranks in a container (pyxis/enroot)."""
+    venv: str | None = None
+    """A virtualenv to activate on every node."""
     env: dict[str, str] = {}
+    """Variables exported in the script; credentials are refused (the job inherits them instead)."""
     nccl: Literal["none", "infiniband", "efa", "roce"] = "none"
-    train: TrainJob | None = None  # a training job, or
-    shard: ShardArray | None = None  # a sharding job array plus a dependent merge job
+    """The interconnect's NCCL settings."""
+    train: TrainJob | None = None
+    """A training job (give exactly one of train and shard)."""
+    shard: ShardArray | None = None
+    """A sharding job array plus a dependent merge job."""
     max_requeues: int = Field(10, ge=0)
-    signal_lead_s: int = Field(180, ge=10)  # SIGUSR1 this long before the time limit
+    """Self-requeues after a stop signal or time budget, at most."""
+    signal_lead_s: int = Field(180, ge=10)
+    """SIGUSR1 this long before the time limit (--signal=USR1@N): time to save and requeue."""
     log_dir: str = "slurm-logs"
+    """The job logs' folder (%x-%j.out)."""
 
     @field_validator("name")
     @classmethod

@@ -1,9 +1,12 @@
-"""One item ahead, in a thread: what lets a loader's work on the next batch overlap the step."""
+"""One item ahead: what lets a loader's work on the next batch overlap the step, in a thread
+(decode, receive) or on a CUDA side stream (host-to-device copy)."""
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterator
+from typing import Callable, Iterator
+
+import torch
 
 
 def read_ahead(items: Iterator) -> Iterator:
@@ -17,3 +20,33 @@ def read_ahead(items: Iterator) -> Iterator:
                 yield item
     finally:
         getattr(items, "close", lambda: None)()
+
+
+def copy_ahead(batches: Iterator[dict], move: Callable[[dict], dict],
+               stream: "torch.cuda.Stream | None" = None) -> Iterator[dict]:
+    """Each batch moved (`move`: host-to-device copy from pinned memory, normalisation) one batch
+    ahead of the consumer. With a CUDA `stream`, the moves run on it, so batch i+1's copy overlaps
+    the consumer's kernels for batch i; before the consumer gets a batch, its stream waits for the
+    move, and the batch's tensors are marked as used there (the allocator must not reuse them early)."""
+    pending = None
+    for batch in batches:
+        if stream is None:
+            moved = move(batch)
+        else:
+            with torch.cuda.stream(stream):
+                moved = move(batch)
+        if pending is not None:
+            yield _ready(pending, stream)
+        pending = moved
+    if pending is not None:
+        yield _ready(pending, stream)
+
+
+def _ready(batch: dict, stream: "torch.cuda.Stream | None") -> dict:
+    if stream is not None:
+        consumer = torch.cuda.current_stream(stream.device)
+        consumer.wait_stream(stream)
+        for value in batch.values():
+            if isinstance(value, torch.Tensor) and value.is_cuda:
+                value.record_stream(consumer)
+    return batch

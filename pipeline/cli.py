@@ -57,7 +57,8 @@ def measure(spec: LoaderSpec, steps: int, warmup: int, device: str) -> dict:
             "requests_per_1000_images": 1000 * reads["requests"] / delivered,
             "bytes_per_image": reads["bytes"] / delivered,
             "images_read": delivered, "shard_opens": reads["opens"], "shard_fetches": reads["fetches"],
-            "images_per_cpu_s": images / cpu if cpu else float("inf"), "seconds": elapsed}
+            "images_per_cpu_s": images / cpu if cpu else float("inf"), "seconds": elapsed,
+            "backend": loader.backend.name}
 
 
 def main(argv: list[str]) -> int:
@@ -82,7 +83,8 @@ def main(argv: list[str]) -> int:
                       backend=args.backend, workers=args.workers, cache_dir=args.cache_dir, cache_gb=args.cache_gb,
                       read_block_mb=args.read_block_mb)
     result = measure(spec, args.steps, args.warmup, args.device)
-    print(f"{args.backend} on {args.device}: {result['images_per_s']:.0f} images/s, "
+    chosen = result["backend"] + (" (chosen by auto)" if args.backend == "auto" else "")
+    print(f"{chosen} on {args.device}: {result['images_per_s']:.0f} images/s, "
           f"{result['cpu_ms_per_image']:.2f} CPU-ms per image "
           f"({result['images_per_cpu_s']:.0f} images per CPU-second), "
           f"batch {args.batch} x {args.steps} steps, {args.image_size} px, {args.workers} workers")

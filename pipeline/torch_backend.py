@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 
 from . import randaugment
-from .ahead import read_ahead
+from .ahead import copy_ahead, read_ahead
 from .index import DatasetIndex
 from .order import RankSlice
 from .reader import RawBatch, raw_batches
@@ -118,14 +118,15 @@ class TorchBackend:
             # shift the dropout masks of a resumed run (it starts one more iterator than the original).
             generator=torch.Generator().manual_seed(self.spec.seed))
         if on_gpu:
-            for batch in loader:
-                yield {"image": self.normalise(batch["image"].to(self.device, non_blocking=True)),
-                       "label": batch["label"].to(self.device, non_blocking=True), "key": batch["key"],
-                       "bad": batch["bad"], "reads": batch["reads"], "position": batch["position"],
-                       "real": batch["real"]}
+            # From pinned memory, on a side stream, one batch ahead: the copy overlaps the step.
+            yield from copy_ahead(iter(loader), self._to_device, torch.cuda.Stream(self.device))
         else:
             # Receiving a batch from a worker (unpickling, mapping its shared memory) takes a few ms of
             # the consumer's thread for a large batch; a thread takes it while the step runs. (On a
             # GPU the DataLoader's pin-memory thread already does.)
             yield from read_ahead(iter(loader)) if workers else loader
+
+    def _to_device(self, batch: dict) -> dict:
+        return {**batch, "image": self.normalise(batch["image"].to(self.device, non_blocking=True)),
+                "label": batch["label"].to(self.device, non_blocking=True)}
 

@@ -163,14 +163,14 @@ def faulty(s3_server):
 @pytest.fixture(scope="session")
 def slurm(tmp_path_factory):
     """A real SLURM controller and node on localhost, for this test session."""
-    from slurm_cluster import start_slurm, stop_slurm
+    from vitforge.cluster import start_local_slurm, stop_local_slurm
 
     try:
-        env = start_slurm(tmp_path_factory.mktemp("slurm"))
+        env = start_local_slurm(tmp_path_factory.mktemp("slurm"))
     except RuntimeError as e:
         pytest.fail(str(e))
     yield env
-    stop_slurm(env)
+    stop_local_slurm(env)
 
 
 def losses(folder) -> dict[int, float]:

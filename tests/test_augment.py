@@ -72,7 +72,8 @@ def test_bad_augment_values_are_named(data):
 
 def test_training_with_every_regulariser_on_resumes_exactly(data, tmp_path):
     """Mixup, CutMix, label smoothing, RandAugment, dropout, stochastic depth, a narrower crop, no flip:
-    a run stopped at step 6 and resumed logs the same losses as an uninterrupted one."""
+    a run stopped at step 6 and resumed logs the same losses as an uninterrupted one. (That each
+    changes what is trained is tested where it is made: the mixing, RandAugment and crop tests.)"""
     common = ["train.steps=12", "train.log_every=1", "train.checkpoint_every=6", "data.val=null",
               "augment.mixup=0.8", "augment.cutmix=1.0", "augment.mix_prob=0.9", "augment.label_smoothing=0.1",
               "augment.crop_scale=[0.35,1.0]", "augment.flip=false", "augment.randaugment=[2,9]", "model.dropout=0.1",
@@ -85,9 +86,6 @@ def test_training_with_every_regulariser_on_resumes_exactly(data, tmp_path):
     assert "at step 6" in second.stderr
     straight, again = losses(tmp_path / "straight"), losses(tmp_path / "resumed")
     assert sorted(straight) == list(range(1, 13)) and again == straight
-    plain = tmp_path / "plain"
-    train(data, "reg_plain", *common[:4], f"checkpoint.log_dir={plain}")
-    assert losses(plain) != straight  # the regularisers really changed the run
 
 
 @pytest.fixture(scope="module")

@@ -319,9 +319,10 @@ def test_torch_worker_processes_keep_the_order(dataset):
 
 
 def test_loader_bench_cli(dataset):
-    result = vitforge("loader-bench", dataset, "--backend", "dali-cpu", "--batch", "8", "--steps", "20",
+    result = vitforge("loader-bench", dataset, "--backend", "auto", "--batch", "8", "--steps", "20",
                       "--image-size", "32", "--workers", "1")
-    assert "dali-cpu on cpu:" in result.stdout and "images/s" in result.stdout and "CPU-ms per image" in result.stdout
+    assert "dali-cpu (chosen by auto) on cpu:" in result.stdout
+    assert "images/s" in result.stdout and "CPU-ms per image" in result.stdout
     assert "loader backend: dali-cpu" in result.stderr
     bad = vitforge("loader-bench", "/nonexistent/shards", check=False)
     assert bad.returncode == 2 and "no dataset manifest" in bad.stderr and "Traceback" not in bad.stderr

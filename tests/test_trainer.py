@@ -134,7 +134,7 @@ def _plain_pytorch_losses(data, steps: int) -> list[float]:
     cfg = load_config("tiny_cpu", [f"data.train={data / 'train'}", "train.steps=6"])
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model.name, 10, cfg.model.image_size)
-    optimizer = make_optimizer(cfg, model)
+    optimizer = make_optimizer(cfg, model, torch.device("cpu"))
     spec = LoaderSpec(str(data / "train"), batch_size=cfg.train.micro_batch, image_size=32, backend="torch",
                       workers=0, seed=cfg.data.seed)
     ranks = [iter(build_loader(spec, rank, 2)) for rank in range(2)]

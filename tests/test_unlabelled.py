@@ -14,7 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import dataset_samples, train_args, vitforge
+from conftest import EXTENSIONS, dataset_samples, train_args, vitforge
 from vitforge.pipeline import IGNORE_LABEL, LoaderSpec, build_loader
 from vitforge.synthetic import class_image, jpeg_bytes
 
@@ -127,7 +127,7 @@ def test_tars_made_elsewhere_without_labels_load_and_mixed_ones_are_refused(corp
 
 def test_classification_refuses_unlabelled_data_naming_it(corpora):
     args = train_args(corpora, "refused", f"data.train={corpora / 'unlabelled'}", f"data.val={corpora / 'labelled'}")
-    result = vitforge("train", *args, check=False)
+    result = vitforge("train", *args, env=EXTENSIONS, check=False)
     assert result.returncode == 2
     assert f"{corpora / 'unlabelled'} has no class labels (sharded with --no-labels)" in result.stderr
     assert "train.objective=masked_patch_prediction" in result.stderr

@@ -2,11 +2,11 @@
 checkpoints in object storage that survive preemption."""
 
 from .config import Config, ConfigError, load_config
-from .model import (PAPER_PARAMETERS, PEAK_FLOPS, adapt_state_dict, build_model, check_model_name, forward_flops,
-                    parameter_count)
+from .model import (PAPER_PARAMETERS, PEAK_FLOPS, TINY_MODELS, adapt_state_dict, build_model, check_model_name,
+                    forward_flops, parameter_count)
 from .run_store import RunStore, tag_for
 from .train import Requeue, Trainer, run, run_eval
 
-__all__ = ["Config", "ConfigError", "PAPER_PARAMETERS", "PEAK_FLOPS", "Requeue", "RunStore", "Trainer",
+__all__ = ["Config", "ConfigError", "PAPER_PARAMETERS", "PEAK_FLOPS", "Requeue", "RunStore", "TINY_MODELS", "Trainer",
            "adapt_state_dict", "build_model", "check_model_name", "forward_flops", "load_config", "parameter_count",
            "run", "run_eval", "tag_for"]

@@ -7,9 +7,9 @@ checked once, here, with a message that shows the numbers.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from vitforge.core import UsageError
 from vitforge.core.settings import load_validated
@@ -21,46 +21,75 @@ class ConfigError(UsageError):
     kind = "config error"
 
 
+def _switch(value):
+    # YAML reads a bare on / off as true / false.
+    return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+
+Switch = Annotated[Literal["auto", "on", "off"], BeforeValidator(_switch)]
+
+
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
 
 class ModelConfig(Strict):
-    name: str = "vit_base_patch16_224"  # a timm name, or one of trainer.model.TINY_MODELS
+    name: str = "vit_base_patch16_224"
+    """A timm model name (vit_huge_patch14_224, vit_base_r50_s16_224, ...) or a CPU-sized one:
+    vit_tiny_cpu, vit_small_cpu, vit_hybrid_tiny_cpu."""
     image_size: int = Field(224, ge=8)
-    num_classes: int | None = Field(None, ge=1)  # None: from the training set's dataset.json
-    drop_path: float = Field(0.0, ge=0, lt=1)  # stochastic depth, the deepest block's rate (linear in depth)
-    # Dropout after the position embeddings and after every dense layer but the qkv projection (ViT
-    # paper, appendix B.1: 0.1 for ViT-B/L on ImageNet-1k from scratch, 0 on JFT)
+    """Input resolution in pixels; position embeddings are resampled in 2D when it differs from a
+    checkpoint's."""
+    num_classes: int | None = Field(None, ge=1)
+    """Classifier outputs; null: the training set's dataset.json says."""
+    drop_path: float = Field(0.0, ge=0, lt=1)
+    """Stochastic depth: the deepest block's drop rate (linear in depth)."""
     dropout: float = Field(0.0, ge=0, lt=1)
-    # The paper's pre-training head: one hidden tanh layer before the classifier (section 3.1);
-    # fine-tuning (checkpoint.init_from) replaces it with a zero-initialised linear classifier.
+    """Dropout after the position embeddings and after every dense layer but the qkv projection
+    (ViT paper, appendix B.1: 0.1 for ViT-B/L on ImageNet-1k from scratch, 0 on JFT)."""
     pre_logits: bool = False
+    """The paper's pre-training head: one hidden tanh layer before the classifier (section 3.1);
+    fine-tuning (checkpoint.init_from) replaces it with a zero-initialised linear classifier."""
     grad_checkpointing: bool = False
+    """Recompute each block's activations in the backward pass: less memory, about a third more compute."""
+    compile: bool = False
+    """torch.compile each transformer block in place (torchtitan's way: identical blocks share one
+    compiled graph, checkpoint keys are unchanged); the first steps pay the compile time. ZeRO <= 2."""
 
 
 class DataConfig(Strict):
-    train: str  # dataset folder or s3:// prefix (dataset.json), or "synthetic"
+    train: str
+    """Training shards: a folder or s3:// prefix holding dataset.json (from `vitforge shard`), tar
+    paths from any WebDataset writer (a glob or {000000..000099} braces), or "synthetic"."""
     val: str | None = None
+    """Held-out shards for evaluation (the same forms); null: no evaluation."""
     backend: Literal["auto", "dali", "dali-cpu", "torch", "synthetic"] = "auto"
-    workers: int = Field(4, ge=0)  # decode processes (torch) or threads (DALI) per rank
-    prefetch: int = Field(2, ge=1)  # batches decoded ahead of the step (DALI's queue, torch's per worker)
-    # DALI decodes ahead in its own threads: auto = on a GPU (on a CPU the step needs the same cores)
-    overlap: Literal["auto", "on", "off"] = "auto"
-    # Train on a deterministic subset: a fraction (0.1, with a decimal point) or a sample count (5000);
-    # for one seed the smaller subsets are inside the larger ones. Eval always sees all of data.val.
+    """auto: DALI with GPU ("mixed") JPEG decode on a GPU, DALI on the CPU elsewhere, torch when DALI
+    is not installed."""
+    workers: int = Field(4, ge=0)
+    """Decode processes (torch) or threads (DALI) per rank."""
+    prefetch: int = Field(2, ge=1)
+    """Batches decoded ahead of the step (DALI's queue, torch's per worker)."""
+    overlap: Switch = "auto"
+    """DALI decodes ahead in its own threads: auto = on a GPU (on a CPU the step needs the same cores)."""
     subset: float | int | None = Field(None, gt=0)
+    """Train on a deterministic subset: a fraction (0.1, with a decimal point) or a sample count
+    (5000); for one seed the smaller subsets are inside the larger ones. Eval sees all of data.val."""
     seed: int = 0
-    # Partitions of the sample order, fixed when the run starts (null: the number of ranks then).
-    # A resume at any world size is exact; store egress stays one copy of the dataset per epoch
-    # when the number of ranks divides it, so pick a multiple of the sizes you will run at.
+    """Seeds the sample order, crops, flips, RandAugment, Mixup/CutMix and masks."""
     partitions: int | None = Field(None, ge=1)
-    # s3:// datasets: shards are fetched whole (GETs of read_block_mb) into a node-local cache
-    # shared by the node's ranks; null cache_dir: $VITFORGE_CACHE_DIR, else the temp folder.
+    """Partitions of the sample order, fixed when the run starts (null: the number of ranks then).
+    A resume at any world size is exact; store egress stays one copy of the dataset per epoch when
+    the number of ranks divides it, so pick a multiple of the sizes you will run at."""
     cache_dir: str | None = None
-    cache_gb: float = Field(32.0, gt=0)  # per node and dataset; what the order needs last goes first
+    """s3:// datasets are fetched shard by shard into a node-local cache shared by the node's ranks,
+    in this folder; null: $VITFORGE_CACHE_DIR, else the temp folder."""
+    cache_gb: float = Field(32.0, gt=0)
+    """The cache's size limit, per node and dataset; what the order needs last is removed first."""
     read_block_mb: float = Field(16.0, gt=0)
-    shards_ahead: int = Field(2, ge=0)  # shards fetched ahead of need, per reader
+    """Size of the parallel ranged GETs that fetch a shard."""
+    shards_ahead: int = Field(2, ge=0)
+    """Shards fetched ahead of need, per reader."""
 
 
 class AugmentConfig(Strict):
@@ -68,16 +97,24 @@ class AugmentConfig(Strict):
     position) by the loader; Mixup/CutMix per (seed, step, micro-batch, rank) on the device batch:
     a resumed run augments exactly as an uninterrupted one."""
 
-    crop_scale: tuple[float, float] = (0.08, 1.0)  # random-resized-crop area fraction (Inception crop)
-    crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)  # its aspect-ratio range
-    flip: bool = True  # horizontal flip with probability 1/2
-    # RandAugment: [operations per image, magnitude bin 0-30], e.g. [2, 9] (DeiT's rand-m9-n2); null: off
+    crop_scale: tuple[float, float] = (0.08, 1.0)
+    """Random-resized-crop area fraction range (the Inception crop's by default)."""
+    crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    """Random-resized-crop aspect-ratio range."""
+    flip: bool = True
+    """Horizontal flip with probability 1/2."""
     randaugment: tuple[int, int] | None = None
+    """RandAugment: [operations per image, magnitude bin 0-30], e.g. [2, 9] (DeiT's rand-m9-n2); null: off."""
     label_smoothing: float = Field(0.0, ge=0, lt=1)
-    mixup: float = Field(0.0, ge=0)  # Mixup's Beta(alpha, alpha); 0 = off
-    cutmix: float = Field(0.0, ge=0)  # CutMix's Beta(alpha, alpha); 0 = off
-    mix_prob: float = Field(1.0, ge=0, le=1)  # share of micro-batches mixed
-    switch_prob: float = Field(0.5, ge=0, le=1)  # with both on: the share that use CutMix
+    """Target mass spread evenly over all classes."""
+    mixup: float = Field(0.0, ge=0)
+    """Mixup's Beta(alpha, alpha); 0: off."""
+    cutmix: float = Field(0.0, ge=0)
+    """CutMix's Beta(alpha, alpha); 0: off."""
+    mix_prob: float = Field(1.0, ge=0, le=1)
+    """Share of micro-batches mixed."""
+    switch_prob: float = Field(0.5, ge=0, le=1)
+    """With Mixup and CutMix both on: the share of mixed micro-batches that use CutMix."""
 
     @model_validator(mode="after")
     def _ranges(self):
@@ -92,57 +129,93 @@ class AugmentConfig(Strict):
 
 class OptimizerConfig(Strict):
     name: Literal["adamw", "sgd"] = "adamw"
-    lr: float = Field(3e-4, gt=0)  # peak learning rate
+    """AdamW (the paper's Adam with decoupled weight decay) or SGD with momentum (fine-tuning)."""
+    lr: float = Field(3e-4, gt=0)
+    """Peak learning rate."""
     betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW's betas."""
     momentum: float = 0.9
-    weight_decay: float = Field(0.1, ge=0)  # never on norms, biases, position embeddings or the class token
+    """SGD's momentum."""
+    weight_decay: float = Field(0.1, ge=0)
+    """Decoupled weight decay; never on norms, biases, position embeddings or the class token."""
     warmup_steps: int = Field(10_000, ge=0)
+    """Linear warm-up to lr over this many steps."""
     schedule: Literal["linear", "cosine", "constant"] = "linear"
+    """Decay from lr to min_lr at train.steps after the warm-up."""
     min_lr: float = Field(0.0, ge=0)
+    """Learning rate at the last step."""
     grad_clip: float = Field(1.0, ge=0)
+    """Global gradient-norm clipping; 0: off."""
+    fused: Switch = "auto"
+    """AdamW's fused kernel (one launch for all parameters): auto = on CUDA; "on" also works on a CPU."""
 
 
 class TrainConfig(Strict):
-    # classification, or masked_patch_prediction (the paper's self-supervised pre-training: predict
-    # corrupted patches' mean colours; fine-tune from it with checkpoint.init_from)
     objective: Literal["classification", "masked_patch_prediction"] = "classification"
+    """classification, or masked_patch_prediction (the paper's self-supervised pre-training: predict
+    corrupted patches' mean colours; needs no labels; fine-tune from it with checkpoint.init_from)."""
     steps: int = Field(ge=1)
+    """Optimizer steps of the whole run (the learning-rate schedule spans them)."""
     global_batch: int = Field(ge=1)
-    micro_batch: int = Field(ge=1)  # per rank, per forward pass; accumulation = global / (micro * world size)
+    """Images per optimizer step, over all ranks."""
+    micro_batch: int = Field(ge=1)
+    """Images per rank per forward pass; gradient accumulation = global / (micro x world size)."""
     precision: Literal["fp32", "bf16"] = "bf16"
+    """bf16: DeepSpeed's bf16 mixed precision with fp32 master weights."""
+    tf32: bool = True
+    """On CUDA, fp32 matmuls and convolutions in TF32 (10-bit mantissa on the tensor cores), in the
+    fp32 parts of a bf16 run and in fp32 runs; false keeps full fp32 (e.g. to compare with a CPU)."""
     zero_stage: Literal[0, 1, 2, 3] = 2
+    """DeepSpeed ZeRO: 1 partitions optimizer state, 2 also gradients, 3 also parameters; 0: off."""
     offload_optimizer: bool = False
+    """ZeRO-Offload: optimizer state and step in CPU memory."""
     offload_params: bool = False
-    ema_decay: float | None = Field(None, gt=0, lt=1)  # Polyak averaging, e.g. 0.9999 for fine-tuning
+    """ZeRO-3 parameters in CPU memory."""
+    ema_decay: float | None = Field(None, gt=0, lt=1)
+    """Polyak averaging of the weights, e.g. 0.9999 for fine-tuning; null: off. ZeRO <= 2."""
     eval_every: int = Field(1000, ge=1)
+    """Steps between evaluations on data.val (and one at the end)."""
     log_every: int = Field(10, ge=1)
-    checkpoint_every: int | None = Field(1000, ge=1)  # steps between checkpoints (None: only by minutes / at the end)
-    checkpoint_every_minutes: float | None = Field(None, gt=0)  # wall-clock interval, agreed by all ranks
-    # End this invocation (after a checkpoint) at this step; the schedule still spans `steps`.
+    """Steps between metrics lines (metrics.jsonl, TensorBoard, the log)."""
+    checkpoint_every: int | None = Field(1000, ge=1)
+    """Steps between checkpoints; null: only by minutes, on a stop signal and at the end."""
+    checkpoint_every_minutes: float | None = Field(None, gt=0)
+    """Also checkpoint at this wall-clock interval, agreed by all ranks."""
     stop_at: int | None = Field(None, ge=1)
-    # End this invocation cleanly (checkpoint, then the requeue exit code) after this many minutes,
-    # e.g. a little under the scheduler's time limit.
+    """End this invocation (after a checkpoint) at this step; the schedule still spans `steps`."""
     max_minutes: float | None = Field(None, gt=0)
-    max_nonfinite: int = Field(1, ge=1)  # consecutive steps with a non-finite loss or gradient norm before stopping
+    """End this invocation cleanly (checkpoint, then exit code 75) after this many minutes, e.g. a
+    little under the scheduler's time limit (`vitforge submit` sets it from the spec's time)."""
+    max_nonfinite: int = Field(1, ge=1)
+    """Consecutive steps with a non-finite loss or gradient norm before the run stops (exit code 5)."""
     seed: int = 0
+    """Seeds the weights' initialisation and dropout."""
 
 
 class CheckpointConfig(Strict):
-    dir: str = "runs"  # a local folder, file:// or s3://BUCKET/PREFIX; the run lives in DIR/RUN
+    dir: str = "runs"
+    """A local folder, file:// or s3://BUCKET/PREFIX; the run lives in DIR/RUN."""
     run: str = "run"
-    # Fine-tuning: a run or checkpoint (folder or URL) of ours, or a timm-format state-dict file.
+    """The run's name: one folder of checkpoints, owned by one job at a time."""
     init_from: str | None = None
-    save: bool = True  # false: never write checkpoints (benchmarks)
-    # "auto": the newest complete checkpoint (falling back past broken ones), "never", a step
-    # number, or a checkpoint URL (DIR/RUN/step_NNNNNNNN).
+    """Fine-tuning: a run or checkpoint (folder or URL) of ours, or a timm-format state-dict file."""
+    save: bool = True
+    """false: never write checkpoints (benchmarks)."""
     resume: str | int = "auto"
-    staging: str | None = None  # node-local folder for writes before upload (default: the temp dir)
-    log_dir: str | None = None  # metrics.jsonl and TensorBoard (default: the run folder if local, else ./logs/RUN)
-    keep_last: int | None = Field(3, ge=1)  # newest complete checkpoints kept (None: all)
-    keep_every: int | None = Field(None, ge=1)  # also keep every checkpoint whose step is a multiple of this
-    # A run is owned by one job at a time; a lease not refreshed for this long may be taken over.
+    """auto: the newest complete checkpoint (falling back past broken ones); never; a step number; or a
+    checkpoint URL (DIR/RUN/step_NNNNNNNN)."""
+    staging: str | None = None
+    """Node-local folder for checkpoint files before upload; null: the temp folder."""
+    log_dir: str | None = None
+    """Folder for metrics.jsonl and TensorBoard; null: the run folder if local, else ./logs/RUN."""
+    keep_last: int | None = Field(3, ge=1)
+    """Newest complete checkpoints kept; null: all."""
+    keep_every: int | None = Field(None, ge=1)
+    """Also keep every checkpoint whose step is a multiple of this."""
     lease_minutes: float = Field(10.0, gt=0)
-    upload_timeout_minutes: float = Field(60.0, gt=0)  # rank 0 waits this long for every rank's upload
+    """A run is owned by one job at a time; a lease not refreshed for this long may be taken over."""
+    upload_timeout_minutes: float = Field(60.0, gt=0)
+    """Rank 0 waits this long for every rank's upload."""
 
     @field_validator("dir")
     @classmethod
@@ -181,7 +254,9 @@ class Config(Strict):
     optimizer: OptimizerConfig = OptimizerConfig()
     train: TrainConfig
     checkpoint: CheckpointConfig = CheckpointConfig()
-    deepspeed: dict = {}  # any DeepSpeed config key, applied last over the generated config
+    deepspeed: dict = {}
+    """Any DeepSpeed config keys, merged last over the generated config (e.g. {zero_optimization:
+    {reduce_bucket_size: 500000000}})."""
 
     @model_validator(mode="after")
     def _objective_fits(self):
@@ -191,6 +266,13 @@ class Config(Strict):
                 raise ValueError(f"train.objective masked_patch_prediction predicts patch colours: "
                                  f"{', '.join(mixing + ['model.pre_logits'] * self.model.pre_logits)} "
                                  "only apply to classification")
+        return self
+
+    @model_validator(mode="after")
+    def _compile_fits(self):
+        if self.model.compile and self.train.zero_stage == 3:
+            raise ValueError("model.compile needs train.zero_stage <= 2: ZeRO-3 gathers each block's parameters in "
+                             "hooks that would run inside the compiled block")
         return self
 
     def accumulation(self, world_size: int) -> int:

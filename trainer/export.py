@@ -7,6 +7,8 @@ never re-initialises a layer: a parameter whose shape differs is an error naming
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
 import os
@@ -50,7 +52,10 @@ def consolidate(url: str, scratch: str, prefer_ema: bool = True) -> Consolidated
     manifest = run.manifest(tag)
     folder = run.fetch(tag, needed_files(sorted(manifest["files"]), set(), everything=True), manifest, scratch)
     try:
-        state = get_fp32_state_dict_from_zero_checkpoint(folder, tag=tag)
+        # zero-to-fp32 prints its progress to stdout, which is a command's result (JSON) here.
+        with contextlib.redirect_stdout(io.StringIO()) as said:
+            state = get_fp32_state_dict_from_zero_checkpoint(folder, tag=tag)
+        log.debug("zero-to-fp32: %s", said.getvalue().strip())
     except Exception as e:  # DeepSpeed raises assorted types for files it cannot interpret
         raise CheckpointError(f"{run.object_url(tag)}: zero-to-fp32 could not consolidate it: {e}") from None
     state = {k.removeprefix("module."): v.detach() for k, v in state.items()}

