@@ -25,6 +25,7 @@ def test_the_demo_trains_is_preempted_resumes_from_the_store_and_reports(tmp_pat
     assert summary["resume_step"] == summary["stop_step"]
     assert summary["launcher"] == ("slurm" if local_slurm_missing() is None else "direct")
     assert summary["packed"] == 600
+    assert "the same bytes, shard for shard" in result.stdout and (out / "shards" / "dataset.json").exists()
     assert sorted(r["reason"] for r in summary["rejects"]) == ["corrupt", "empty", "not_an_image", "truncated"]
     report = (out / "report.md").read_text()
     for path in [summary["files"]["weights"], *summary["files"]["plots"], *summary["files"]["figures"]]:

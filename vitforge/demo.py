@@ -159,10 +159,23 @@ def _shard(demo: Demo) -> None:
     demo.vitforge("shard", demo.facts["val_corpus"], val, "--prefix", "val", "--classes", f"{train}/dataset.json",
                   "--workers", str(demo.workers))
     verified = demo.vitforge("shard", "verify", train, "--workers", str(demo.workers))
+    # The same command into a folder gives the same bytes (sharding is deterministic); the copy
+    # stays for the README's next steps (`vitforge train tiny_cpu` reads demo-out/shards).
+    local = demo.path("shards")
+    demo.vitforge("shard", demo.facts["corpus"], local, "--shard-samples", per_shard, "--workers", str(demo.workers),
+                  quiet=True)
+    if _shard_digests(local) != _shard_digests(train):
+        raise DemoError(f"{local} and {train} hold different shards from the same command")
+    print(f"the same command into {local}: the same bytes, shard for shard (kept for the README's next steps)")
     info = demo.vitforge("shard", "info", train, quiet=True).stdout
     rejects = open_store(train).get_bytes("rejects.jsonl").decode().splitlines()
-    demo.facts.update(train=train, val=val, shard_summary=result.stdout.strip(), shard_info=info.strip(),
+    demo.facts.update(train=train, val=val, local_shards=local, shard_summary=result.stdout.strip(),
+                      shard_info=info.strip(),
                       verify=verified.stdout.strip().splitlines()[-1], rejects=[json.loads(r) for r in rejects])
+
+
+def _shard_digests(dataset: str) -> list[str]:
+    return [s["sha256"] for s in json.loads(open_store(dataset).get_bytes("dataset.json"))["shards"]]
 
 
 def _training_overrides(demo: Demo) -> list[str]:

@@ -43,7 +43,8 @@ def write_report(out: str, facts: dict) -> str:
     ]
     where = [
         ("object store", store),
-        ("training shards", facts["train"]), ("held-out shards", facts["val"]),
+        ("training shards", f"{facts['train']}, and byte for byte the same in {facts['local_shards']}"),
+        ("held-out shards", facts["val"]),
         ("checkpoints", f"{facts['run']} (`vitforge ckpt list {facts['run']}`)"),
         ("metrics", os.path.join(out, "logs", "metrics.jsonl") + " (and TensorBoard events beside it)"),
         ("training logs", ", ".join(facts["train_logs"])),
