@@ -170,6 +170,10 @@ class Trainer:
     def train(self) -> dict:
         self.run_start = (time.perf_counter(), self.state.step)  # for the running images/s
         self.window = Window(torch.zeros((), device=self.device))
+        if self.state.step >= self.end:
+            log.info("nothing to train: the run is already at step %d of %d (raise train.steps to go on, or "
+                     "use a new checkpoint.run)", self.state.step, self.end)
+            return {"step": self.state.step, "complete": True}
         while self.state.step < self.end:
             for batch in self.train_loader:
                 if self.train_step(batch) and self.after_step():

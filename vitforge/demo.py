@@ -70,12 +70,16 @@ class Demo:
             print(result.stdout.rstrip(), flush=True)
         if result.returncode != 0:
             raise DemoError(f"`vitforge {args[0]}` failed with exit code {result.returncode}:\n"
-                            f"{result.stderr[-3000:]}")
+                            f"{result.stderr[-3000:]}", result.returncode)
         return result
 
 
 class DemoError(Exception):
-    pass
+    """A stage failed: a command's exit code, or 1 when one of the demo's own checks did not hold."""
+
+    def __init__(self, message: str, code: int = 1):
+        super().__init__(message)
+        self.code = code
 
 
 def main(argv: list[str]) -> int:
@@ -113,7 +117,7 @@ def main(argv: list[str]) -> int:
         return 0
     except DemoError as e:
         print(f"vitforge demo: stage {demo.stage} failed: {e}", file=sys.stderr)
-        return 1
+        return e.code
     finally:
         for stop in reversed([s for s in stops if s]):
             stop()
