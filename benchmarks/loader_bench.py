@@ -139,7 +139,8 @@ def main() -> int:
     print(f"decode-only floor vs best CPU backend, per CPU-second: {per_cpu['floor'] / per_cpu[best]:.2f}x "
           "(goal <= 2x)")
     print(f"images/s: dali-cpu {rates['dali-cpu']['images_per_s'] / rates['baseline']['images_per_s']:.2f}x, "
-          f"torch {rates['torch']['images_per_s'] / rates['baseline']['images_per_s']:.2f}x the baseline")
+          f"torch {rates['torch']['images_per_s'] / rates['baseline']['images_per_s']:.2f}x the baseline "
+          "(for comparison)")
     for kind, label in sides[:3]:
         step_s = 1.5 * args.batch / rates[kind]["images_per_s"]
         wait = run_side(kind, shards, args.batch, 40, args.workers, step_s)["wait_fraction"]

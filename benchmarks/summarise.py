@@ -1,5 +1,6 @@
 """One table from the benchmarks' printed output: every line that states a goal, with the measured
-value, the goal and whether it was met. `benchmarks/run_all.sh` calls it on the logs it keeps.
+value, the goal and whether it was met, and the ratios printed "for comparison" (no goal of their
+own). `benchmarks/run_all.sh` calls it on the logs it keeps.
 
     python benchmarks/summarise.py bench-out/*.log
 """
@@ -13,11 +14,18 @@ import sys
 # "<figure>: <value><unit> (goal <op> <target><unit>...)" as the benchmarks print it
 GOAL_LINE = re.compile(r"^(?P<figure>.*?)[:=]?\s+(?P<value>[+-]?\d+(?:\.\d+)?)(?P<unit>[x%])"
                        r"(?:[^(]*)\(goal (?P<op><=|>=) (?P<target>\d+(?:\.\d+)?)(?P<goal_unit>[x%])")
+# "<figure> = <value>x (for comparison)", or any other text before "(for comparison)"
+COMPARISON_LINE = re.compile(r"^(?P<figure>.*?)(?:\s*[=:]\s*(?P<value>[+-]?\d+(?:\.\d+)?[x%]))?\s*\(for comparison\)$")
 
 
 def goal_rows(benchmark: str, text: str) -> list[dict]:
     rows = []
     for line in text.splitlines():
+        compared = COMPARISON_LINE.search(line.strip())
+        if compared:
+            rows.append({"benchmark": benchmark, "figure": compared["figure"], "value": compared["value"] or "",
+                         "goal": "-", "met": None})
+            continue
         match = GOAL_LINE.search(line.strip())
         if not match:
             continue
@@ -35,7 +43,7 @@ def table(rows: list[dict]) -> str:
     lines = [f"{'benchmark':<{widths[0]}}  {'figure':<{widths[1]}}  {'measured':>{widths[2]}}  "
              f"{'goal':<{widths[3]}}  met"]
     lines += [f"{r['benchmark']:<{widths[0]}}  {r['figure']:<{widths[1]}}  {r['value']:>{widths[2]}}  "
-              f"{r['goal']:<{widths[3]}}  {'yes' if r['met'] else 'NO'}" for r in rows]
+              f"{r['goal']:<{widths[3]}}  {'-' if r['met'] is None else 'yes' if r['met'] else 'NO'}" for r in rows]
     return "\n".join(lines)
 
 
@@ -48,7 +56,8 @@ def main(paths: list[str]) -> int:
         print("no goal lines found in " + ", ".join(paths))
         return 1
     print(table(rows))
-    print(f"{sum(r['met'] for r in rows)} of {len(rows)} goals met")
+    goals = [r for r in rows if r["met"] is not None]
+    print(f"{sum(r['met'] for r in goals)} of {len(goals)} goals met")
     return 0
 
 

@@ -82,3 +82,19 @@ def test_plan_respects_limits_and_ignores_listing_order(sizes, seed, per_shard, 
             assert sum(size_of[item.source] for item in shard) <= shard_bytes
     keys = [item.key for shard in plan.shards for item in shard]
     assert keys == sorted(keys) and len(set(keys)) == len(keys)
+
+
+def test_the_benchmark_summary_reads_goal_and_comparison_lines():
+    from benchmarks.summarise import goal_rows
+
+    text = "\n".join([
+        "corpus: 4000 JPEGs",
+        "best CPU backend (dali-cpu) vs baseline, per CPU-second: 1.42x (goal >= 1.5x)",
+        "overhead: +2.8% (goal <= 5%)  [2 ranks]",
+        "(a) async stall vs its own local write: 1.00x (goal <= 1.0x; vitforge adds 5 ms)",
+        "4 node(s): first-epoch egress, one order / partitioned = 4.00x (for comparison)",
+    ])
+    rows = goal_rows("bench", text)
+    assert [(r["value"], r["goal"], r["met"]) for r in rows] == [
+        ("1.42x", ">= 1.5x", False), ("+2.8%", "<= 5%", True), ("1.00x", "<= 1.0x", True), ("4.00x", "-", None)]
+    assert rows[0]["figure"] == "best CPU backend (dali-cpu) vs baseline, per CPU-second"
