@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,6 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.gpu_train_check import run_recipe  # noqa: E402
 from vitforge.shards import ShardJob, run  # noqa: E402
 from vitforge.synthetic import write_class_folders  # noqa: E402
 
@@ -36,26 +36,14 @@ def train(shards: str, work: str, args, compiled: bool) -> dict | None:
             f"model.name={args.model}", f"model.image_size={args.image_size}", f"model.compile={str(compiled).lower()}",
             "model.grad_checkpointing=false", f"train.steps={args.steps}", f"train.log_every={args.steps // 2}",
             f"train.micro_batch={args.micro_batch}", f"train.global_batch={args.micro_batch}", "train.zero_stage=2",
-            f"train.precision={args.precision}", "optimizer.warmup_steps=1", "data.partitions=null",
-            f"checkpoint.dir={work}", f"checkpoint.run={run_name}", "checkpoint.save=false"]
-    cmd = [sys.executable, "-m", "vitforge", "train", str(REPO / "trainer" / "recipes" / "vit_h14_pretrain.yaml")]
-    for item in sets:
-        cmd += ["--set", item]
+            f"train.precision={args.precision}", "optimizer.warmup_steps=1", "data.partitions=null"]
     started = time.monotonic()
-    try:
-        result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.timeout,
-                                env={**os.environ, "PYTHONPATH": str(REPO)})
-    except subprocess.TimeoutExpired:
-        print(f"  {run_name}: timed out after {args.timeout} s")
+    ran = run_recipe(sets, work, run_name, args.timeout, run_name)
+    if ran is None:
         return None
-    metrics_file = Path(work, run_name, "metrics.jsonl")
-    if result.returncode != 0 or not metrics_file.exists():
-        tail = result.stderr.strip().splitlines()[-3:] or ["?"]
-        print(f"  {run_name}: failed: " + " | ".join(line[:200] for line in tail))
-        return None
-    logged = [json.loads(line) for line in metrics_file.read_text().splitlines() if "loss" in line]
+    logged, stderr = ran
     last = logged[-1]  # the first window holds start-up (and the compile)
-    backend = next((line.split("loader backend: ", 1)[1].split(" (")[0] for line in result.stderr.splitlines()
+    backend = next((line.split("loader backend: ", 1)[1].split(" (")[0] for line in stderr.splitlines()
                     if "loader backend: " in line), "?")
     return {"compile": compiled, "images_per_s": last["images_per_s"], "data_wait": last["data_wait_fraction"],
             "mfu": last["mfu"], "peak_memory_gb": max(m["memory_gb"] for m in logged), "backend": backend,

@@ -20,29 +20,38 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
+def run_recipe(sets: list[str], work: str, run_name: str, timeout: float, label: str) -> tuple[list[dict], str] | None:
+    """`vitforge train vit_h14_pretrain` with these overrides, checkpoints off, its metrics in
+    WORK/RUN_NAME: (the training log lines, its stderr); None, after saying why, when it timed
+    out or failed."""
+    cmd = [sys.executable, "-m", "vitforge", "train", str(REPO / "trainer" / "recipes" / "vit_h14_pretrain.yaml")]
+    for item in [*sets, f"checkpoint.dir={work}", f"checkpoint.run={run_name}", "checkpoint.save=false"]:
+        cmd += ["--set", item]
+    try:
+        result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                                env={**os.environ, "PYTHONPATH": str(REPO)})
+    except subprocess.TimeoutExpired:
+        print(f"  {label}: timed out after {timeout:.0f} s")
+        return None
+    metrics_file = Path(work, run_name, "metrics.jsonl")
+    if result.returncode != 0 or not metrics_file.exists():
+        tail = result.stderr.strip().splitlines()[-3:] or ["?"]
+        print(f"  {label}: failed: " + " | ".join(line[:200] for line in tail))
+        return None
+    logged = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+    return [m for m in logged if "loss" in m], result.stderr
+
+
 def attempt(model: str, image_size: int, micro: int, steps: int, checkpointing: bool) -> dict | None:
+    sets = ["data.train=synthetic", f"model.name={model}", "model.num_classes=1000",
+            f"model.image_size={image_size}", f"model.grad_checkpointing={str(checkpointing).lower()}",
+            f"train.steps={steps}", "train.log_every=10", f"train.micro_batch={micro}", f"train.global_batch={micro}",
+            "train.zero_stage=2", "train.precision=bf16", "optimizer.warmup_steps=1", "data.val=null"]
     with tempfile.TemporaryDirectory() as tmp:
-        sets = ["data.train=synthetic", f"model.name={model}", "model.num_classes=1000",
-                f"model.image_size={image_size}", f"model.grad_checkpointing={str(checkpointing).lower()}",
-                f"train.steps={steps}", "train.log_every=10",
-                f"train.micro_batch={micro}", f"train.global_batch={micro}", "train.zero_stage=2",
-                "train.precision=bf16", "optimizer.warmup_steps=1", f"checkpoint.dir={tmp}", "checkpoint.run=h14",
-                "checkpoint.save=false", "data.val=null"]
-        cmd = [sys.executable, "-m", "vitforge", "train", str(REPO / "trainer" / "recipes" / "vit_h14_pretrain.yaml")]
-        for item in sets:
-            cmd += ["--set", item]
-        try:
-            result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=200,
-                                    env={**os.environ, "PYTHONPATH": str(REPO)})
-        except subprocess.TimeoutExpired:
-            print(f"  micro-batch {micro}: timed out")
-            return None
-        metrics_file = Path(tmp, "h14", "metrics.jsonl")
-        if result.returncode != 0 or not metrics_file.exists():
-            tail = result.stderr.strip().splitlines()[-1:] or ["?"]
-            print(f"  micro-batch {micro}: failed ({tail[0][:160]})")
-            return None
-        logged = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+        ran = run_recipe(sets, tmp, "h14", 200, f"micro-batch {micro}")
+    if ran is None:
+        return None
+    logged = ran[0]
     last = logged[-1]  # the first window includes warm-up
     return {"micro_batch": micro, "grad_checkpointing": checkpointing, "images_per_s": last["images_per_s"],
             "mfu": last["mfu"], "peak_memory_gb": max(m["memory_gb"] for m in logged)}

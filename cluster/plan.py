@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from vitforge.core import UsageError
+from vitforge.pipeline import LoaderSpec
 from vitforge.trainer import PEAK_FLOPS, build_model, forward_flops
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -35,8 +36,8 @@ class PlanInput:
     mean_image_bytes: int = 110_000  # an ImageNet-like JPEG
     shard_bytes: int = 1 << 30
     # The loader's reads from the object store: whole shards in ranged GETs of data.read_block_mb
-    # (16 MiB by default); 0: one GET per sample (a per-sample reader's count)
-    read_block_bytes: int = 16 << 20
+    # (the loader's default here); 0: one GET per sample (a per-sample reader's count)
+    read_block_bytes: int = int(LoaderSpec.read_block_mb * 2**20)
     checkpoint_bandwidth: float = 1e9  # bytes/s one rank writes to the store
     store_bandwidth: float = 50e9  # bytes/s the store accepts from the whole job
     node_mtbf_hours: float = 5_000.0  # mean time between failures of one node

@@ -35,9 +35,12 @@ def submit(script_path: str, after_ok: str | None = None) -> str:
 
 
 def job_info(job: str) -> dict[str, str]:
-    """`scontrol show job` as a dict (JobState, RestartCnt, ExitCode, StdOut, ...)."""
+    """`scontrol show job` as a dict (JobState, Restarts, ExitCode, StdOut, ...). Older SLURMs
+    name the requeue count RestartCnt; it is given as Restarts either way."""
     text = _run(["scontrol", "show", "job", "-o", str(job)])
-    return dict(re.findall(r"(\w+(?::\w+)?)=(\S*)", text))
+    info = dict(re.findall(r"(\w+(?::\w+)?)=(\S*)", text))
+    info.setdefault("Restarts", info.get("RestartCnt", "0"))
+    return info
 
 
 def cancel(job: str, signal: str | None = None) -> None:

@@ -72,7 +72,7 @@ def status_main(argv: list[str]) -> int:
     p.add_argument("job")
     info = slurm.job_info(p.parse_args(argv).job)
     print(f"job {info.get('JobId')} {info.get('JobName')}: {info.get('JobState')} (reason {info.get('Reason')}), "
-          f"restarts {info.get('Restarts', info.get('RestartCnt', '0'))}, exit code {info.get('ExitCode')}, "
+          f"restarts {info['Restarts']}, exit code {info.get('ExitCode')}, "
           f"log {info.get('StdOut')}")
     return 0
 

@@ -244,8 +244,8 @@ class Progress:
 def _wait_for_step(progress: Progress, step: int, alive, timeout: float = 900) -> None:
     """Poll the metrics often (a tiny model takes a few seconds for the second half of its run),
     and whether the training is still alive now and then."""
-    deadline = checked = time.monotonic()
-    deadline += timeout
+    checked = time.monotonic()
+    deadline = checked + timeout
     while progress.step() < step:
         if time.monotonic() - checked > 5:
             if not alive():
@@ -332,7 +332,7 @@ def _train_slurm(demo: Demo):
 def _job_state(job: str) -> tuple[str, int]:
     """(state, restarts) of a job, straight from scontrol: polled often, it must be quick."""
     info = job_info(job)
-    return info.get("JobState", "UNKNOWN"), int(info.get("Restarts", info.get("RestartCnt", "0")))
+    return info.get("JobState", "UNKNOWN"), int(info["Restarts"])
 
 
 def _record_resume(demo: Demo, log: str, logs: list[str]) -> None:

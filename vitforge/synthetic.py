@@ -24,6 +24,7 @@ def class_image(label: int, num_classes: int, rng: np.random.Generator, size: tu
     y, x = np.mgrid[0:height, 0:width].astype(np.float32)
     period = 6 + 0.05 * max(width, height) + rng.uniform(-2, 2)
     wave = np.sin((x * np.cos(angle) + y * np.sin(angle)) * 2 * np.pi / period + rng.uniform(0, 2 * np.pi))
+    # Without jitter, no draw: the corpora made before it keep their pixels.
     hue = (label + rng.uniform(-hue_jitter, hue_jitter)) / num_classes % 1.0 if hue_jitter else label / num_classes
     rgb = np.array(colorsys.hsv_to_rgb(hue, 0.7, 0.9), dtype=np.float32) * 255
     pixels = rgb * (0.6 + 0.3 * wave[..., None]) + rng.normal(0, noise, (height, width, 3))
