@@ -51,9 +51,14 @@ class PlanInput:
         for name in ("dataset_images", "nodes", "gpus_per_node", "image_size", "mean_image_bytes", "shard_bytes"):
             if getattr(self, name) < 1:
                 raise UsageError(f"{name} must be >= 1, not {getattr(self, name)}")
-        for name in ("epochs", "checkpoint_bandwidth", "store_bandwidth", "node_mtbf_hours", "target_lost_fraction"):
-            if getattr(self, name) <= 0:
-                raise UsageError(f"{name} must be > 0, not {getattr(self, name)}")
+        for name in ("epochs", "checkpoint_bandwidth", "store_bandwidth", "node_mtbf_hours"):
+            if not 0 < getattr(self, name) < math.inf:
+                raise UsageError(f"{name} must be a number > 0, not {getattr(self, name)}")
+        if not 0 < self.target_lost_fraction < 1:
+            raise UsageError(f"target_lost_fraction must be in (0, 1), not {self.target_lost_fraction}")
+        for name in ("cpu_decode_ms", "gpu_decode_cpu_ms", "read_block_bytes"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise UsageError(f"{name} must be a number >= 0, not {getattr(self, name)}")
 
 
 def model_size(model: str, image_size: int) -> tuple[float, int]:

@@ -4,10 +4,15 @@ One task per GPU via srun; the rendezvous is the allocation's first node and a p
 from the job id; SLURM sends SIGUSR1 `signal_lead_s` before the time limit to every task (the
 trainer saves and exits 75); the script then requeues the job itself, up to `max_requeues`
 times, and the restarted job resumes from the newest complete checkpoint.
+
+Spec values are data, never script: the schema (spec.py) keeps them on one line (and SLURM names
+to a strict character set); here each is quoted for where it lands: `sbatch_word` in #SBATCH
+lines (sbatch parses those itself), shlex in shell lines, and nothing inside double quotes.
 """
 
 from __future__ import annotations
 
+import re
 import shlex
 
 from vitforge.trainer import Requeue
@@ -23,6 +28,25 @@ NCCL_PRESETS = {
             "NCCL_SOCKET_IFNAME": "^lo,docker"},
     "roce": {"NCCL_IB_DISABLE": "0", "NCCL_IB_GID_INDEX": "3", "NCCL_SOCKET_IFNAME": "^lo,docker"},
 }
+SBATCH_PLAIN = re.compile(r"[A-Za-z0-9_.:/@%+=,&|*()!\[\]^-]+")
+
+
+def sbatch_word(value: str) -> str:
+    """`value` written so that sbatch's own #SBATCH parser (not a shell) reads back exactly it:
+    there whitespace ends a value, '#' starts a comment, quotes are removed and a backslash escapes
+    the next character, also inside quotes."""
+    if SBATCH_PLAIN.fullmatch(value):
+        return value
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _option(name: str, value: object) -> str:
+    return f"--{name}={sbatch_word(str(value))}"
+
+
+def _log(log_dir: str, pattern: str) -> str:
+    """--output: the folder taken literally ('%' doubled), then SLURM's %x/%j/%A/%a pattern."""
+    return _option("output", f"{log_dir.replace('%', '%%')}/{pattern}")
 
 
 def trainer_command(spec: LaunchSpec) -> list[str]:
@@ -42,16 +66,10 @@ def trainer_command(spec: LaunchSpec) -> list[str]:
 
 
 def _allocation(spec: LaunchSpec) -> list[str]:
-    return [
-        *([f"--mem={spec.mem_per_node}"] if spec.mem_per_node else []),
-        *([f"--mem-per-cpu={spec.mem_per_cpu}"] if spec.mem_per_cpu else []),
-        *([f"--mem-per-gpu={spec.mem_per_gpu}"] if spec.mem_per_gpu else []),
-        *([f"--partition={spec.partition}"] if spec.partition else []),
-        *([f"--account={spec.account}"] if spec.account else []),
-        *([f"--qos={spec.qos}"] if spec.qos else []),
-        *([f"--constraint={spec.constraint}"] if spec.constraint else []),
-        *(["--exclusive"] if spec.exclusive else []),
-    ]
+    requests = {"mem": spec.mem_per_node, "mem-per-cpu": spec.mem_per_cpu, "mem-per-gpu": spec.mem_per_gpu,
+                "partition": spec.partition, "account": spec.account, "qos": spec.qos, "constraint": spec.constraint}
+    return [*(_option(name, value) for name, value in requests.items() if value),
+            *(["--exclusive"] if spec.exclusive else [])]
 
 
 def _setup(env: dict[str, str], venv: str | None) -> list[str]:
@@ -71,10 +89,10 @@ def render_shard_array(spec: LaunchSpec, parts: list[int] | None = None) -> str:
         "#!/bin/bash",
         f"# vitforge launch spec {spec.name!r}: sharding in {shard.num_parts} parts, one array task each.",
         "# Credentials are not in this file: the job inherits the submitting environment (sbatch --export=ALL).",
-        f"#SBATCH --job-name={spec.name}", f"#SBATCH --array={indices}{throttle}", "#SBATCH --nodes=1",
-        "#SBATCH --ntasks=1", f"#SBATCH --cpus-per-task={spec.cpus_per_task}", f"#SBATCH --time={spec.time}",
+        f"#SBATCH {_option('job-name', spec.name)}", f"#SBATCH --array={indices}{throttle}", "#SBATCH --nodes=1",
+        "#SBATCH --ntasks=1", f"#SBATCH --cpus-per-task={spec.cpus_per_task}", f"#SBATCH {_option('time', spec.time)}",
         *(f"#SBATCH {d}" for d in _allocation(spec)),
-        "#SBATCH --requeue", "#SBATCH --open-mode=append", f"#SBATCH --output={spec.log_dir}/%x-%A_%a.out",
+        "#SBATCH --requeue", "#SBATCH --open-mode=append", f"#SBATCH {_log(spec.log_dir, '%x-%A_%a.out')}",
         "", "set -uo pipefail", *_setup(spec.env, spec.venv),
         "# Array task i builds part i (also when only some parts are resubmitted); a rerun resumes it.",
         shlex.join(command) + ' --part "$SLURM_ARRAY_TASK_ID"',
@@ -87,9 +105,10 @@ def render_merge(spec: LaunchSpec) -> str:
     lines = [
         "#!/bin/bash",
         f"# vitforge launch spec {spec.name!r}: merge the parts' records into dataset.json.",
-        f"#SBATCH --job-name={spec.name}-merge", "#SBATCH --nodes=1", "#SBATCH --ntasks=1",
-        "#SBATCH --cpus-per-task=1", f"#SBATCH --time={spec.time}", *(f"#SBATCH {d}" for d in _allocation(spec)),
-        "#SBATCH --open-mode=append", f"#SBATCH --output={spec.log_dir}/%x-%j.out",
+        f"#SBATCH {_option('job-name', f'{spec.name}-merge')}", "#SBATCH --nodes=1", "#SBATCH --ntasks=1",
+        "#SBATCH --cpus-per-task=1", f"#SBATCH {_option('time', spec.time)}",
+        *(f"#SBATCH {d}" for d in _allocation(spec)),
+        "#SBATCH --open-mode=append", f"#SBATCH {_log(spec.log_dir, '%x-%j.out')}",
         "", "set -uo pipefail", *_setup(spec.env, spec.venv),
         shlex.join(["vitforge", "shard", "merge", spec.shard.dest]),
     ]
@@ -99,14 +118,13 @@ def render_merge(spec: LaunchSpec) -> str:
 def render(spec: LaunchSpec) -> str:
     if spec.shard is not None:
         return render_shard_array(spec)
-    log = f"{spec.log_dir}/%x-%j.out"
     directives = [
-        f"--job-name={spec.name}", f"--nodes={spec.nodes}", f"--ntasks-per-node={spec.ntasks_per_node}",
-        f"--cpus-per-task={spec.cpus_per_task}", f"--time={spec.time}",
-        *([f"--gpus-per-node={spec.gpu_type + ':' if spec.gpu_type else ''}{spec.gpus_per_node}"]
+        _option("job-name", spec.name), f"--nodes={spec.nodes}", f"--ntasks-per-node={spec.ntasks_per_node}",
+        f"--cpus-per-task={spec.cpus_per_task}", _option("time", spec.time),
+        *([_option("gpus-per-node", f"{spec.gpu_type + ':' if spec.gpu_type else ''}{spec.gpus_per_node}")]
           if spec.gpus_per_node else []),
         *_allocation(spec),
-        "--requeue", f"--signal=USR1@{spec.signal_lead_s}", "--open-mode=append", f"--output={log}",
+        "--requeue", f"--signal=USR1@{spec.signal_lead_s}", "--open-mode=append", _log(spec.log_dir, "%x-%j.out"),
     ]
     srun = ["srun", "--kill-on-bad-exit=1", f"--ntasks-per-node={spec.ntasks_per_node}"]
     if spec.container:
@@ -129,7 +147,7 @@ def render(spec: LaunchSpec) -> str:
         "",
         "# One task per GPU; SLURM maps SLURM_PROCID/NTASKS/LOCALID to the trainer's ranks. Rank 0 writes",
         "# its exit code to VITFORGE_EXIT_FILE: srun reports a killed straggler's code, not the trainer's.",
-        f'export VITFORGE_EXIT_FILE="{spec.log_dir}/.exit-$SLURM_JOB_ID"',
+        f'export VITFORGE_EXIT_FILE={shlex.quote(f"{spec.log_dir}/.exit-")}"$SLURM_JOB_ID"',
         'rm -f "$VITFORGE_EXIT_FILE"',
         f"{shlex.join(srun)} \\\n    {shlex.join(trainer_command(spec))}",
         "code=$?",

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from vitforge.core import UsageError
 from vitforge.core.settings import load_validated
@@ -16,8 +16,38 @@ SPECS = Path(__file__).resolve().parent / "specs"
 # Names that carry credentials: never written into a script; jobs get them from the environment
 # they are submitted from (sbatch exports it) or from a credentials file the cluster has.
 SECRET_NAME = re.compile(r"SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL|ACCESS_KEY|PRIVATE|SESSION", re.IGNORECASE)
-TIME = re.compile(r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$")
-MEMORY = re.compile(r"^\d+[KMGT]?$")  # SLURM's size form: megabytes, or a K/M/G/T suffix
+
+
+def _whole(pattern: str, expected: str):
+    """A str that must match `pattern` as a whole (no trailing newline slips past a `$`). Every
+    spec value reaches the sbatch script: this is what it may contain there; render.py quotes it."""
+    regex = re.compile(pattern)
+
+    def check(value: str) -> str:
+        if not regex.fullmatch(value):
+            raise ValueError(f"{value!r}: {expected}")
+        return value
+
+    return Annotated[str, AfterValidator(check)]
+
+
+# Written bare into #SBATCH lines (and file names): no shell, quoting or comment syntax at all.
+SlurmName = _whole(r"[A-Za-z0-9_.-]+", "letters, digits, '_', '.', '-' only")
+# SLURM's feature expressions: AND &, OR |, matching OR [...], counts *N, grouping (), NOT !.
+Constraint = _whole(r"[A-Za-z0-9_.:&|,\[\]*()!-]+",
+                    "node features (letters, digits, '_', '.', '-', ':') joined by SLURM's & | , [ ] * ( ) ! only")
+SlurmTime = _whole(r"(\d+-)?\d{1,2}(:\d{2}){0,2}", "expected a SLURM time such as 04:00:00 or 2-00:00:00")
+SlurmSize = _whole(r"\d+[KMGT]?", "expected a SLURM size such as 900G, 64000 (MB) or 2T")
+EnvName = _whole(r"[A-Za-z_][A-Za-z0-9_]*", "a variable name: letters, digits and '_', not starting with a digit")
+# Paths and free values: anything on one line (a line break would end a #SBATCH block or a shell
+# word's line, NUL cannot be in a script); they are shell-quoted wherever they are written.
+Text = _whole(r"[^\x00-\x1f\x7f]*", "one line of text: no line break, NUL or other control character")
+# pyxis splits --container-mounts at commas.
+Mount = _whole(r"[^\x00-\x1f\x7f,]+", "SRC:DST[:FLAGS] on one line: no ',' (mounts are joined with commas), "
+               "line break, NUL or other control character")
+# A backslash anywhere in --output makes SLURM drop it and stop expanding %x/%j (every job, one file).
+LogDir = _whole(r"[^\x00-\x1f\x7f\\]+", "a folder on one line: no '\\' (SLURM's file patterns), line break, NUL "
+                "or other control character")
 
 
 class SpecError(UsageError):
@@ -29,38 +59,38 @@ class Strict(BaseModel):
 
 
 class Container(Strict):
-    image: str
+    image: Text
     """A container image for pyxis/enroot (srun --container-image)."""
-    mounts: list[str] = []
+    mounts: list[Mount] = []
     """SRC:DST mounts (srun --container-mounts)."""
 
 
 class TrainJob(Strict):
-    config: str
+    config: Text
     """A trainer recipe name or YAML path, as `vitforge train` takes it."""
-    overrides: list[str] = []
+    overrides: list[Text] = []
     """KEY=VALUE trainer overrides (`--set`), e.g. [train.steps=1000]."""
-    dataset: str | None = None
+    dataset: Text | None = None
     """Sets data.train."""
-    checkpoint_dir: str | None = None
+    checkpoint_dir: Text | None = None
     """Sets checkpoint.dir (s3:// for runs that survive any node)."""
 
 
 class ShardArray(Strict):
-    src: str
+    src: Text
     """What `vitforge shard` takes: class folders or a manifest, local or s3://."""
-    dest: str
+    dest: Text
     """The dataset's folder or s3:// prefix."""
     num_parts: int = Field(ge=1)
     """One array task per part; a dependent job merges them into dataset.json."""
     throttle: int | None = Field(None, ge=1)
     """At most this many parts at once (--array=...%N)."""
-    args: list[str] = []
+    args: list[Text] = []
     """More `vitforge shard` options, e.g. [--shard-bytes, 1GiB, --max-side, "512"]."""
 
 
 class LaunchSpec(Strict):
-    name: str
+    name: SlurmName
     """The job's name (letters, digits, '_', '.', '-')."""
     nodes: int = Field(1, ge=1)
     gpus_per_node: int = Field(8, ge=0)
@@ -68,29 +98,31 @@ class LaunchSpec(Strict):
     """Default: one task (rank) per GPU, 1 without GPUs."""
     cpus_per_task: int = Field(8, ge=1)
     """CPU cores per rank (decode workers run on them)."""
-    mem_per_node: str | None = None
+    mem_per_node: SlurmSize | None = None
     """SLURM's --mem, e.g. "900G". Give at most one memory request; none: the partition's default."""
-    mem_per_cpu: str | None = None
+    mem_per_cpu: SlurmSize | None = None
     """SLURM's --mem-per-cpu, e.g. "8G": scales with cpus_per_task x tasks."""
-    mem_per_gpu: str | None = None
+    mem_per_gpu: SlurmSize | None = None
     """SLURM's --mem-per-gpu, e.g. "110G"."""
-    gpu_type: str | None = None
+    gpu_type: SlurmName | None = None
     """A GRES type, e.g. "h100": requests --gpus-per-node=h100:8."""
-    time: str = "04:00:00"
+    time: SlurmTime = "04:00:00"
     """The time limit, D-HH:MM:SS (SLURM's forms); the trainer stops itself signal_lead_s before it."""
-    partition: str | None = None
-    account: str | None = None
-    qos: str | None = None
-    constraint: str | None = None
-    """A node feature, e.g. "h100"."""
+    partition: SlurmName | None = None
+    """SLURM names (partition, account, qos): letters, digits, '_', '.', '-'."""
+    account: SlurmName | None = None
+    qos: SlurmName | None = None
+    constraint: Constraint | None = None
+    """Node features, e.g. "h100" or "h100|h200" (SLURM's & | [ ] * ( ) operators)."""
     exclusive: bool = False
     """Whole nodes only."""
     container: Container | None = None
     """Run the ranks in a container (pyxis/enroot)."""
-    venv: str | None = None
+    venv: Text | None = None
     """A virtualenv to activate on every node."""
-    env: dict[str, str] = {}
-    """Variables exported in the script; credentials are refused (the job inherits them instead)."""
+    env: dict[EnvName, Text] = {}
+    """Variables exported in the script (names: letters, digits, '_'); credentials are refused (the job
+    inherits them instead)."""
     nccl: Literal["none", "infiniband", "efa", "roce"] = "none"
     """The interconnect's NCCL settings."""
     train: TrainJob | None = None
@@ -101,29 +133,8 @@ class LaunchSpec(Strict):
     """Self-requeues after a stop signal or time budget, at most."""
     signal_lead_s: int = Field(180, ge=10)
     """SIGUSR1 this long before the time limit (--signal=USR1@N): time to save and requeue."""
-    log_dir: str = "slurm-logs"
-    """The job logs' folder (%x-%j.out)."""
-
-    @field_validator("name")
-    @classmethod
-    def _job_name(cls, value: str) -> str:
-        if not re.fullmatch(r"[A-Za-z0-9_.-]+", value):
-            raise ValueError(f"{value!r}: letters, digits, '_', '.', '-' only")
-        return value
-
-    @field_validator("time")
-    @classmethod
-    def _slurm_time(cls, value: str) -> str:
-        if not TIME.match(value):
-            raise ValueError(f"{value!r}: expected a SLURM time such as 04:00:00 or 2-00:00:00")
-        return value
-
-    @field_validator("mem_per_node", "mem_per_cpu", "mem_per_gpu")
-    @classmethod
-    def _slurm_size(cls, value: str | None) -> str | None:
-        if value is not None and not MEMORY.match(value):
-            raise ValueError(f"{value!r}: expected a SLURM size such as 900G, 64000 (MB) or 2T")
-        return value
+    log_dir: LogDir = "slurm-logs"
+    """The job logs' folder (%x-%j.out): any path on one line without '\\'."""
 
     @field_validator("env")
     @classmethod

@@ -20,7 +20,7 @@ from pathlib import Path
 from pydantic import Field, field_validator
 
 from vitforge.core import UsageError, free_port
-from vitforge.core.settings import load_validated
+from vitforge.core.settings import load_validated, validated
 from vitforge.trainer import RunStore
 
 from .render import render, trainer_command
@@ -78,9 +78,10 @@ def runs(study: StudySpec) -> list[StudyRun]:
 
 def launch_spec(study: StudySpec, run: StudyRun) -> LaunchSpec:
     spec = load_spec(study.launch)
-    train = spec.train.model_copy(update={"overrides": [*spec.train.overrides, *run.overrides],
-                                          "checkpoint_dir": None})
-    return spec.model_copy(update={"name": run.name, "train": train})
+    train = {**spec.train.model_dump(), "overrides": [*spec.train.overrides, *run.overrides], "checkpoint_dir": None}
+    # validated again: the study's models and overrides reach the job script like the spec's own values
+    return validated({**spec.model_dump(), "name": run.name, "train": train}, LaunchSpec,
+                     f"study run {run.name}", StudyError)
 
 
 def scripts(study: StudySpec) -> list[tuple[StudyRun, LaunchSpec, str]]:

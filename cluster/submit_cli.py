@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import signal
 import subprocess
 import sys
 
@@ -67,9 +69,24 @@ def _parts(text: str, spec) -> list[int]:
     return parts
 
 
+def job_id(text: str) -> str:
+    """A job as scontrol and scancel take it: 1234, an array task 1234_7, a het-job component 1234+1."""
+    if not re.fullmatch(r"\d+([_+]\d+)?", text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a SLURM job id (e.g. 1234 or 1234_7)")
+    return text
+
+
+def signal_name(text: str) -> str:
+    """A signal as scancel --signal takes it: a name with or without SIG (USR1, SIGTERM) or a number."""
+    name = text.upper().removeprefix("SIG")
+    if not (f"SIG{name}" in signal.Signals.__members__ or (name.isdigit() and 0 < int(name) < signal.NSIG)):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a signal (e.g. USR1, TERM, 10)")
+    return name
+
+
 def status_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="vitforge status", description="State of a submitted job.")
-    p.add_argument("job")
+    p.add_argument("job", type=job_id)
     info = slurm.job_info(p.parse_args(argv).job)
     print(f"job {info.get('JobId')} {info.get('JobName')}: {info.get('JobState')} (reason {info.get('Reason')}), "
           f"restarts {info['Restarts']}, exit code {info.get('ExitCode')}, "
@@ -79,7 +96,7 @@ def status_main(argv: list[str]) -> int:
 
 def logs_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="vitforge logs", description="Print (or follow) a job's log.")
-    p.add_argument("job")
+    p.add_argument("job", type=job_id)
     p.add_argument("-f", "--follow", action="store_true", help="keep printing as the log grows (Ctrl-C to stop)")
     args = p.parse_args(argv)
     path = slurm.log_path(args.job)
@@ -92,8 +109,9 @@ def logs_main(argv: list[str]) -> int:
 
 def cancel_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="vitforge cancel", description="Cancel a job (or send it a signal).")
-    p.add_argument("job")
-    p.add_argument("--signal", default=None, help="send this signal instead, e.g. USR1 to make it save and requeue")
+    p.add_argument("job", type=job_id)
+    p.add_argument("--signal", type=signal_name, default=None,
+                   help="send this signal instead, e.g. USR1 to make it save and requeue")
     args = p.parse_args(argv)
     slurm.cancel(args.job, args.signal)
     return 0

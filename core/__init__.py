@@ -11,11 +11,12 @@ from .net import free_port  # noqa: E402
 from .process import die_with_parent  # noqa: E402
 from .progress import Progress  # noqa: E402
 from .retry import TransientError, with_retries  # noqa: E402
-from .store import LocalStore, S3Store, is_remote, open_store, process_alive  # noqa: E402
+from .store import (LocalStore, LocalWriteError, S3Store, is_remote, local_write_error, open_store,  # noqa: E402
+                    process_alive)
 
 __all__ = [
-    "CheckpointError", "DivergedError", "LocalStore", "PARTIAL_MARK", "PreconditionFailed", "Progress", "S3Store",
-    "StorageError", "TransientError", "UsageError", "VitforgeError", "__version__", "atomic_path", "atomic_write",
-    "die_with_parent", "free_port", "is_remote", "open_store", "process_alive", "process_rank", "setup_logging",
-    "sha256_file", "with_retries",
+    "CheckpointError", "DivergedError", "LocalStore", "LocalWriteError", "PARTIAL_MARK", "PreconditionFailed",
+    "Progress", "S3Store", "StorageError", "TransientError", "UsageError", "VitforgeError", "__version__",
+    "atomic_path", "atomic_write", "die_with_parent", "free_port", "is_remote", "local_write_error", "open_store",
+    "process_alive", "process_rank", "setup_logging", "sha256_file", "with_retries",
 ]

@@ -20,18 +20,22 @@ def load_validated(path: str | Path, overrides: list[str], schema: type[M], ship
     path = Path(path)
     if not path.exists() and (shipped / f"{path}.yaml").exists():
         path = shipped / f"{path}.yaml"
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except FileNotFoundError:
-        names = ", ".join(sorted(p.stem for p in shipped.glob("*.yaml")))
-        raise error(f"{path}: no such {what} file (shipped: {names})") from None
-    except yaml.YAMLError as e:
-        raise error(f"{path}: not valid YAML: {e}") from None
+    raw = _read_mapping(path, shipped, what, error)
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise error(f"--set {item!r}: expected KEY=VALUE, e.g. train.steps=100")
-        _assign(raw, key.split("."), yaml.safe_load(value), error)
+        try:
+            parsed = yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            raise error(f"--set {key}: the value is not valid YAML ({_yaml_problem(e)}); quote it to pass a "
+                        "string") from None
+        _assign(raw, key.split("."), parsed, error)
+    return validated(raw, schema, str(path), error)
+
+
+def validated(raw: dict, schema: type[M], where: str, error: type[UsageError] = UsageError) -> M:
+    """`raw` checked against `schema`; every problem, each naming its key, in one error about `where`."""
     try:
         return schema.model_validate(raw)
     except ValidationError as e:
@@ -42,7 +46,35 @@ def load_validated(path: str | Path, overrides: list[str], schema: type[M], ship
                 problem["msg"].removeprefix("Value error, ")
             shown = problem["type"] != "extra_forbidden" and not isinstance(problem["input"], dict)
             problems.append(f"{key}: {message}" + (f" (got {problem['input']!r})" if shown else ""))
-        raise error(f"{path}: " + "; ".join(problems)) from None
+        raise error(f"{where}: " + "; ".join(problems)) from None
+
+
+def _read_mapping(path: Path, shipped: Path, what: str, error: type[UsageError]) -> dict:
+    """The file's top level: a mapping of sections (an empty file is an empty one)."""
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        names = ", ".join(sorted(p.stem for p in shipped.glob("*.yaml")))
+        raise error(f"{path}: no such {what} file (shipped: {names})") from None
+    except IsADirectoryError:
+        raise error(f"{path}: is a folder, not a {what} file") from None
+    except UnicodeDecodeError as e:
+        raise error(f"{path}: not a UTF-8 text file (byte {e.start}: {e.reason})") from None
+    except yaml.YAMLError as e:
+        raise error(f"{path}: not valid YAML: {_yaml_problem(e)}") from None
+    except OSError as e:
+        raise error(f"{path}: cannot read the {what} file: {e.strerror}") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise error(f"{path}: expected a mapping of sections at the top level (key: value lines), "
+                    f"got a YAML {type(raw).__name__}")
+    return raw
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """The parser's own words on one line."""
+    return " ".join(str(e).split())
 
 
 def _assign(tree: dict, keys: list[str], value, error: type[UsageError]) -> None:

@@ -5,30 +5,43 @@ object-store writes are single PUTs or multipart uploads, which S3 makes visible
 complete. Endpoint, region and credentials come from the standard AWS chain (AWS_ENDPOINT_URL,
 AWS_PROFILE, ...), never from our arguments, so no secret reaches a log line or a manifest.
 
-Retries: botocore retries throttling, 5xx and resets itself (AWS_MAX_ATTEMPTS / AWS_RETRY_MODE
-honoured, default 5 attempts in standard mode); we add a retry only for what it does not (a body
-cut short), so the two never multiply into minutes of waiting. Denials (403, a bad signature, a
-missing bucket) are never retried.
+Retries: botocore retries throttling, 5xx, resets and timeouts itself (AWS_MAX_ATTEMPTS /
+AWS_RETRY_MODE honoured, default 5 attempts in standard mode); we add a retry only for what it does
+not (a body cut short), so the two never multiply into minutes of waiting. Every request, and
+fsspec's s3:// through the same hooks, keeps the bounds of retry.py: per-attempt timeouts, a log
+line per failed attempt, a deadline. Denials (403, a bad signature, a missing bucket) are never
+retried.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import itertools
+import logging
 import os
 import shutil
 import socket
 import tempfile
 import threading
+import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import fsspec
+
 from .errors import PreconditionFailed, StorageError, UsageError
 from .files import PARTIAL_MARK, atomic_write
-from .retry import TransientError, with_retries
+from .retry import StoreLimits, TransientError, current_operation, past_deadline, store_limits, with_retries
+
+log = logging.getLogger("vitforge.store")
+
+# fsspec's s3:// (corpus sources, tar-path datasets) gets S3Store's bounds; s3fs is imported on first use.
+for _scheme in ("s3", "s3a"):
+    fsspec.register_implementation(_scheme, "vitforge.core.s3fs_bounded.BoundedS3FileSystem", clobber=True)
 
 def is_remote(url: str) -> bool:
     return "://" in url and not url.startswith("file://")
@@ -43,7 +56,10 @@ def open_store(url: str, work_dir: str = "_work/tmp") -> "LocalStore | S3Store":
         return S3Store(bucket, prefix.strip("/"))
     if "://" in url and not url.startswith("file://"):
         raise UsageError(f"{url}: only local folders, file:// and s3:// URLs are supported")
-    return LocalStore(os.path.abspath(url.removeprefix("file://")), work_dir)
+    root = os.path.abspath(url.removeprefix("file://"))
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise UsageError(f"{url}: is a file, not a folder")
+    return LocalStore(root, work_dir)
 
 
 @dataclass
@@ -210,6 +226,34 @@ def _local_error(path: str, e: OSError) -> StorageError:
     return StorageError(f"{path}: {e.strerror or e}")
 
 
+class LocalWriteError(StorageError):
+    """A local file could not be written whole: a full disk, a quota, a file size limit."""
+
+
+def local_write_error(path: str, e: OSError) -> LocalWriteError:
+    """Names the file, the cause and the room left, which is what a full disk needs to be fixed."""
+    folder = os.path.dirname(os.path.abspath(path))
+    return LocalWriteError(f"{path}: {e.strerror or e} ({shutil.disk_usage(folder).free / 1e6:.1f} MB free in "
+                           f"{folder})")
+
+
+def _write_all(fd: int, data: bytes, offset: int, path: str) -> None:
+    """pwrite until every byte is down: a filling disk first writes short, then fails (ENOSPC)."""
+    view = memoryview(data)
+    try:
+        while view:
+            written = os.pwrite(fd, view, offset)
+            if written == 0:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            view, offset = view[written:], offset + written
+    except OSError as e:
+        raise local_write_error(path, e) from None
+
+
+def _staging_dir() -> str:
+    return os.path.join(tempfile.gettempdir(), "vitforge-staging")
+
+
 TRANSIENT_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
                    "InternalError", "ServiceUnavailable", "500", "502", "503", "504"}
 
@@ -243,6 +287,49 @@ def _named(url: str):
         raise TransientError(f"{url}: {e}") from None  # a body cut short: botocore does not retry it
     except BotoCoreError as e:
         raise StorageError(f"{url}: {e}") from None
+
+
+@dataclass(frozen=True)
+class _RequestBound:
+    what: str  # "GetObject s3://bucket/key"
+    deadline: float  # time.monotonic()
+
+
+def bound_requests(events, limits: StoreLimits) -> None:
+    """Hook a boto3 or aiobotocore S3 client's events so that each request, botocore's own retries
+    included, logs every failed attempt (operation, attempt n/N, endpoint, error class) and gives
+    up at its first failure after the deadline: the enclosing operation's (`with_retries`) or its own."""
+
+    def start(params: dict, context: dict, model, **_) -> None:
+        enclosing = current_operation()
+        deadline = enclosing.deadline if enclosing else time.monotonic() + limits.deadline_s
+        target = params.get("Key", params.get("Prefix", ""))
+        context["vitforge_bound"] = _RequestBound(f"{model.name} s3://{params.get('Bucket', '')}/{target}", deadline)
+
+    def check(attempts: int, endpoint, request_dict: dict, response=None, caught_exception=None, **_) -> None:
+        bound = request_dict["context"].get("vitforge_bound")
+        error = _failure(response, caught_exception)
+        if bound is None or error is None:
+            return None  # not ours, or an answer botocore will not retry: let it decide
+        where = f"{bound.what} at {endpoint.host}"
+        if time.monotonic() >= bound.deadline:
+            raise past_deadline(where, attempts, error)
+        if attempts < limits.attempts:
+            log.warning("%s: attempt %d/%d failed: %s; %.1f s left before the deadline", where, attempts,
+                        limits.attempts, error, bound.deadline - time.monotonic())
+        return None
+
+    events.register("before-parameter-build.s3", start, unique_id="vitforge-bound-start")
+    events.register_first("needs-retry.s3", check, unique_id="vitforge-bound-check")
+
+
+def _failure(response, caught_exception) -> str | None:
+    """What went wrong with an attempt, when it is what botocore retries: no answer, 5xx, throttling."""
+    if caught_exception is not None:
+        return type(caught_exception).__name__
+    http, parsed = response
+    code = str(parsed.get("Error", {}).get("Code", ""))
+    return f"{http.status_code} {code}".strip() if http.status_code >= 500 or code in TRANSIENT_CODES else None
 
 
 def _temp_name(folder: str, name: str) -> str:
@@ -291,11 +378,10 @@ class S3Store:
             import boto3
             from botocore.config import Config
 
-            retries = {"mode": os.environ.get("AWS_RETRY_MODE", "standard"),
-                       "max_attempts": int(os.environ.get("AWS_MAX_ATTEMPTS", "5"))}
-            self._client = boto3.client("s3", config=Config(retries=retries, connect_timeout=5, read_timeout=120,
-                                                            max_pool_connections=32))
+            limits = store_limits()
+            self._client = boto3.client("s3", config=Config(**limits.botocore_config(), max_pool_connections=32))
             self._client.meta.events.register("before-send.s3", self._count_request)
+            bound_requests(self._client.meta.events, limits)
         return self._client
 
     def _count_request(self, **_) -> None:
@@ -310,7 +396,7 @@ class S3Store:
 
     def temp_path(self, name: str) -> str:
         """Shards are staged on local disk, then uploaded whole."""
-        folder = os.path.join(tempfile.gettempdir(), "vitforge-staging")
+        folder = _staging_dir()
         os.makedirs(folder, exist_ok=True)
         return _temp_name(folder, f"{self.bucket}/{self.key(name)}")
 
@@ -361,7 +447,8 @@ class S3Store:
                  length: int | None = None) -> str:
         """Parallel ranged GETs of one version of the object (If-Match its ETag), written in place;
         returns the sha256 of the bytes, hashed in order as the parts arrive, so checking a
-        download costs no second pass over the file. A part cut short is fetched again.
+        download costs no second pass over the file. A part cut short is fetched again; a write
+        that cannot be completed (a full disk, a quota) raises LocalWriteError.
         `length`: fetch only the first `length` bytes, without the HEAD request (and its ETag pin)."""
         url = self.url(name)
         if length is None:
@@ -374,19 +461,8 @@ class S3Store:
         fd = os.open(local_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
 
         def part(start: int) -> bytes:
-            end = min(start + part_bytes, size)
-
-            def fetch() -> bytes:
-                with _named(url):
-                    response = self.client.get_object(Bucket=self.bucket, Key=self.key(name),
-                                                      Range=f"bytes={start}-{end - 1}", **pin)
-                    body = response["Body"].read()
-                if len(body) != end - start:
-                    raise TransientError(f"short read: {len(body)} of {end - start} bytes at {start}")
-                return body
-
-            data = with_retries(fetch, f"get {url}")
-            os.pwrite(fd, data, start)
+            data = self.get_range(name, start, min(start + part_bytes, size), pin)
+            _write_all(fd, data, start, local_path)
             return data
 
         try:
@@ -401,6 +477,21 @@ class S3Store:
         finally:
             os.close(fd)
         return digest.hexdigest()
+
+    def get_range(self, name: str, start: int, end: int, pin: dict | None = None) -> bytes:
+        """Bytes [start, end) of the object in one ranged GET; a body cut short is fetched again."""
+        url = self.url(name)
+
+        def fetch() -> bytes:
+            with _named(url):
+                response = self.client.get_object(Bucket=self.bucket, Key=self.key(name),
+                                                  Range=f"bytes={start}-{end - 1}", **(pin or {}))
+                body = response["Body"].read()
+            if len(body) != end - start:
+                raise TransientError(f"short read: {len(body)} of {end - start} bytes at {start}")
+            return body
+
+        return with_retries(fetch, f"get {url}")
 
     def exists(self, name: str) -> bool:
         try:
@@ -453,7 +544,9 @@ class S3Store:
         return None
 
     def discard_stale_temporaries(self, names: set[str]) -> None:
-        """Nothing to do: S3 never shows a partial object, and stale staging files are in $TMPDIR."""
+        """S3 never shows a partial object; what killed writers left is their staging files on
+        this host: those of our shards, and any other whose writer is gone."""
+        _discard_stale(_staging_dir(), {f"{self.bucket}/{self.key(n)}" for n in names})
 
     def finish(self) -> None:
         pass

@@ -10,6 +10,7 @@ import time
 import torch
 
 from vitforge.core import is_remote, setup_logging
+from vitforge.core.cli_args import bounded, non_negative_int, positive_float, positive_int
 
 from .loader import build_loader
 from .spec import BACKENDS, LoaderSpec
@@ -65,18 +66,18 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="vitforge loader-bench", description=__doc__)
     p.add_argument("dataset", help="folder or s3:// prefix with dataset.json, or tar paths ('shards-{0..9}.tar')")
     p.add_argument("--backend", choices=BACKENDS, default="auto")
-    p.add_argument("--batch", type=int, default=64, help="batch size (default 64)")
-    p.add_argument("--steps", type=int, default=50, help="timed batches (default 50)")
-    p.add_argument("--warmup", type=int, default=5, help="batches before timing starts (default 5)")
-    p.add_argument("--image-size", type=int, default=224)
-    p.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)),
+    p.add_argument("--batch", type=positive_int, default=64, help="batch size (default 64)")
+    p.add_argument("--steps", type=positive_int, default=50, help="timed batches (default 50)")
+    p.add_argument("--warmup", type=non_negative_int, default=5, help="batches before timing starts (default 5)")
+    p.add_argument("--image-size", type=bounded(int, low=8), default=224)
+    p.add_argument("--workers", type=non_negative_int, default=len(os.sched_getaffinity(0)),
                    help="decode processes (torch) or threads (DALI); default: CPUs available")
     p.add_argument("--eval", action="store_true", help="eval transform (resize + centre crop) instead of train")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--cache-dir", help="s3:// datasets: the node's shard cache folder (default: $VITFORGE_CACHE_DIR, "
                                        "else the temp folder); a second run finds the shards there")
-    p.add_argument("--cache-gb", type=float, default=32.0, help="shard cache size limit (default 32)")
-    p.add_argument("--read-block-mb", type=float, default=16, help="bytes per ranged GET, in MiB (default 16)")
+    p.add_argument("--cache-gb", type=positive_float, default=32.0, help="shard cache size limit (default 32)")
+    p.add_argument("--read-block-mb", type=positive_float, default=16, help="bytes per ranged GET, in MiB (default 16)")
     args = p.parse_args(argv)
     setup_logging()
     spec = LoaderSpec(args.dataset, batch_size=args.batch, image_size=args.image_size, train=not args.eval,

@@ -23,7 +23,7 @@ import numpy as np
 from braceexpand import braceexpand
 from PIL import Image
 
-from vitforge.core import UsageError, atomic_write, is_remote, open_store
+from vitforge.core import UsageError, atomic_write, is_remote, open_store, with_retries
 from vitforge.shards import SAMPLE_IMAGE_EXTS, ManifestError, index_path_for, index_tar, read_manifest
 
 from .cache import locked
@@ -55,6 +55,7 @@ class DatasetIndex:
     # Each shard's sha256 from dataset.json (None for tars made elsewhere): a cached copy of a shard
     # is only ever one of these bytes, even when a dataset is rewritten at the same URL.
     shard_sha256: list[str] | None = None
+    shard_bytes: list[int] | None = None  # each shard's size from dataset.json, with its sha256
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -65,7 +66,7 @@ class DatasetIndex:
                                                        "label_at", "label_len")}
         return DatasetIndex(self.shard_urls, keys=[self.keys[i] for i in ids], num_classes=self.num_classes,
                             labelled=self.labelled, classes=self.classes, max_pixels=self.max_pixels,
-                            shard_sha256=self.shard_sha256,
+                            shard_sha256=self.shard_sha256, shard_bytes=self.shard_bytes,
                             **columns)
 
 
@@ -89,6 +90,7 @@ def load_index(dataset: str, cache_folder: str | None = None) -> DatasetIndex:
     index = _build(urls, texts, manifest["num_classes"], manifest["num_classes"] is not None)
     index.classes = manifest.get("classes")
     index.shard_sha256 = [s["sha256"] for s in manifest["shards"]]
+    index.shard_bytes = [s["bytes"] for s in manifest["shards"]]
     index.max_pixels = manifest.get("parameters", {}).get("image", {}).get("max_pixels") or index.max_pixels
     if len(index) != manifest["totals"]["samples"]:
         raise DatasetError(f"{dataset}: index files list {len(index)} samples, dataset.json says "
@@ -124,9 +126,13 @@ def _expand(pattern: str) -> list[str]:
 
 def _index_text(url: str) -> str:
     idx = index_path_for(url)
-    try:
+
+    def read() -> str:
         with fsspec.open(idx, "rt") as f:
             return f.read()
+
+    try:
+        return with_retries(read, idx) if is_remote(idx) else read()  # a body cut short is read again
     except FileNotFoundError:
         pass
     if is_remote(url):

@@ -25,7 +25,7 @@ from vitforge.core import is_remote
 
 from . import randaugment
 from .augment import Windows, crop_windows
-from .cache import NEVER, CacheSpec, ShardCache, cache_spec, shard_file_name
+from .cache import NEVER, CacheSpec, ShardCache, ShardFile, StreamedShard, cache_spec, shard_file_name
 from .index import DatasetIndex
 from .order import RankSlice, epoch_order
 from .spec import LoaderSpec
@@ -77,14 +77,15 @@ class RawBatch:
 
 class SampleReader:
     """Byte ranges out of shards by offset: local shards are read in place; object-store shards
-    through the node's shard cache, fetched ahead of need. A shard's file is closed after the last
-    batch of the plan that reads it, so the cache may reclaim it."""
+    through the node's shard cache, fetched ahead of need (or from the store, when the node's disk
+    cannot hold them). A shard's file is closed after the last batch of the plan that reads it, so
+    the cache may reclaim it."""
 
     def __init__(self, index: DatasetIndex, plan: list[np.ndarray], cache: CacheSpec | None = None,
                  node_future: "NodeFuture | None" = None):
         """`cache` and `node_future`: for object-store shards (see raw_batches), else None."""
         self.index = index
-        self._fds: dict[int, int] = {}
+        self._open: dict[int, ShardFile | StreamedShard] = {}
         shards_of = [np.unique(index.shard[ids]).tolist() for ids in plan]
         last_use = {s: i for i, shards in enumerate(shards_of) for s in shards}
         self._closing = [[s for s in shards if last_use[s] == i] for i, shards in enumerate(shards_of)]
@@ -103,11 +104,12 @@ class SampleReader:
             names = {shard_file_name(*self._identity(s)): s for s in range(len(index.shard_urls))}
             self._cache = ShardCache(cache, lambda name: node_future.next_use(names.get(name), self._batch_position))
             self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="shard-prefetch")
+        self._counted = self._counters()
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        for shard in self._open.values():
+            shard.close()
+        self._open.clear()
         if self._prefetcher is not None:
             self._prefetcher.shutdown(wait=True, cancel_futures=True)
 
@@ -120,16 +122,18 @@ class SampleReader:
     def read(self, sample_ids: np.ndarray, position: int) -> tuple[list[bytes], dict]:
         """The samples' byte ranges, and what reading them cost: {"requests", "bytes"} from the store
         (or bytes read locally), {"opens", "fetches"} of cached shards since the previous batch."""
-        before = self._counters()
         if self._cache is not None:
             self._batch_position = position
             self._prefetch_ahead()
         regions = [self._read_one(int(s)) for s in sample_ids]
         for shard in self._closing[self._batch]:
-            os.close(self._fds.pop(shard))
+            self._open.pop(shard).close()
         self._batch += 1
+        # Since the previous batch's count, not since this batch began: what the prefetch thread
+        # fetched while the consumer decoded counts too.
         after = self._counters()
-        reads = {k: after[k] - before[k] for k in after}
+        reads = {k: after[k] - self._counted[k] for k in after}
+        self._counted = after
         if self._cache is None:
             reads["bytes"] = sum(len(r) for r in regions)
         return regions, reads
@@ -150,19 +154,22 @@ class SampleReader:
             self._submitted += 1
 
     def _identity(self, shard: int) -> tuple[str, int, str | None]:
-        """(URL, bytes needed, sha256 or None): what names a shard in the cache."""
-        sha256 = self.index.shard_sha256[shard] if self.index.shard_sha256 else None
-        return self.index.shard_urls[shard], int(self._lengths[shard]), sha256
+        """(URL, bytes to fetch, sha256 or None): what names a shard in the cache. With dataset.json
+        the whole tar, whose sha256 it gives (the last sample's .json and the tar's end are a few KB);
+        else up to the end of its last sample."""
+        if self.index.shard_sha256:
+            return self.index.shard_urls[shard], self.index.shard_bytes[shard], self.index.shard_sha256[shard]
+        return self.index.shard_urls[shard], int(self._lengths[shard]), None
 
     def _read_one(self, sample: int) -> bytes:
         index = self.index
         shard, start, length = int(index.shard[sample]), int(index.start[sample]), int(index.length[sample])
-        fd = self._fds.get(shard)
-        if fd is None:
+        source = self._open.get(shard)
+        if source is None:
             url = index.shard_urls[shard]
-            fd = self._fds[shard] = (self._cache.open(*self._identity(shard)) if self._cache is not None
-                                     else os.open(url.removeprefix("file://"), os.O_RDONLY))
-        data = os.pread(fd, length, start)
+            source = self._open[shard] = (self._cache.open(*self._identity(shard)) if self._cache is not None
+                                          else ShardFile(os.open(url.removeprefix("file://"), os.O_RDONLY)))
+        data = source.pread(length, start)
         if len(data) != length:
             raise OSError(f"{index.shard_urls[shard]}: short read at byte {start} ({len(data)} of {length}): "
                           "shard truncated?")

@@ -18,7 +18,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
-from vitforge.core import Progress, UsageError, open_store
+from vitforge.core import Progress, StorageError, UsageError, open_store
 
 from .images import ImageOptions, Rejected, normalise
 from .manifest import HISTOGRAMS, PLAN_NAME, RECORDS_DIR, ManifestError, labelled, merge, record_name, shard_name
@@ -43,8 +43,9 @@ class ShardJob:
     classes_file: str | None = None
     path_column: str = "path"
     label_column: str = "label"
-    root: str | None = None  # manifest rows must resolve inside it (default: the manifest's folder)
+    root: str | None = None  # manifest rows, and followed folder links, must resolve inside it
     labels: bool = True  # False: an unlabelled corpus (samples without a .cls member)
+    follow_symlinks: bool = False  # follow symlinked folders below a folder SRC (inside root)
     workers: int = 1
     num_parts: int = 1
     part: int = 0
@@ -68,6 +69,8 @@ class ShardJob:
             "shard_samples": self.shard_samples, "image": asdict(self.image), "dedup": self.dedup,
             "classes_file": self.classes_file, "path_column": self.path_column, "label_column": self.label_column,
             "root": self.root, "labels": self.labels,
+            # Only when set, so datasets sharded before the option existed keep their fingerprint.
+            **({"follow_symlinks": True} if self.follow_symlinks else {}),
         }
 
 
@@ -95,6 +98,7 @@ def command_line(parameters: dict) -> str:
     args += ["--path-column", parameters["path_column"]]
     args += ["--label-column", parameters["label_column"]] if labelled(parameters) else ["--no-labels"]
     args += ["--root", parameters["root"]] if parameters.get("root") else []
+    args += ["--follow-symlinks"] if parameters.get("follow_symlinks") else []
     return shlex.join(display_path(a) for a in args)
 
 
@@ -139,7 +143,7 @@ def _load_or_make_plan(job: ShardJob, store) -> Plan:
         return plan
     classes = load_class_names(job.classes_file) if job.classes_file else None
     corpus = list_corpus(job.src, classes=classes, path_column=job.path_column, label_column=job.label_column,
-                         root=job.root, labelled=job.labels)
+                         root=job.root, labelled=job.labels, follow_symlinks=job.follow_symlinks)
     plan = make_plan(corpus, job.output_parameters(), seed=job.seed, shard_bytes=job.shard_bytes,
                      shard_samples=job.shard_samples, dedup=job.dedup)
     # Every part of a job array computes the same plan, so concurrent writers store identical bytes.
@@ -244,6 +248,8 @@ def _process_item(item: PlanItem, *, opts: ImageOptions, classes: tuple[str, ...
         encoded = normalise(data, ext_hint, opts)
     except Rejected as e:
         return {"reject": {"key": item.key, "source": shown, "reason": e.reason, "detail": e.detail}}
+    except StorageError:
+        raise  # the store itself failed (its deadline passed): no image is to blame
     except OSError as e:
         detail = f"{type(e).__name__}: {e.strerror or e}"
         return {"reject": {"key": item.key, "source": shown, "reason": "unreadable", "detail": detail}}

@@ -8,6 +8,7 @@ import os
 import re
 
 from vitforge.core import setup_logging
+from vitforge.core.cli_args import bounded, non_negative_int, positive_int
 from vitforge.core.errors import CHECK_FAILED
 
 from .build import ShardJob, merge_parts, run
@@ -52,17 +53,19 @@ def build_parser() -> argparse.ArgumentParser:
     size = p.add_argument_group("shard size (a shard closes at whichever limit comes first)")
     size.add_argument("--shard-bytes", type=parse_size, default=1 << 30,
                       help="target bytes per shard, planned from source sizes (default 1GiB; 0 = no byte limit)")
-    size.add_argument("--shard-samples", type=int, default=None, help="at most this many samples per shard")
+    size.add_argument("--shard-samples", type=positive_int, default=None, help="at most this many samples per shard")
     order = p.add_argument_group("naming and order")
     order.add_argument("--prefix", default="train", help="shard names are PREFIX-000000.tar (default train)")
     order.add_argument("--seed", type=int, default=0, help="global shuffle seed (default 0)")
     image = p.add_argument_group("images")
     image.add_argument("--format", choices=("keep", "jpeg"), default="keep",
                        help="keep: JPEG/PNG/WebP stay as they are; jpeg: re-encode everything else as JPEG")
-    image.add_argument("--quality", type=int, default=95, help="JPEG quality when re-encoding (default 95)")
-    image.add_argument("--max-side", type=int, default=None, help="downscale images whose longer side exceeds N")
-    image.add_argument("--min-side", type=int, default=1, help="reject images whose shorter side is under N")
-    image.add_argument("--max-pixels", type=int, default=ImageOptions.max_pixels,
+    image.add_argument("--quality", type=bounded(int, 1, 100), default=95,
+                       help="JPEG quality when re-encoding (default 95)")
+    image.add_argument("--max-side", type=positive_int, default=None,
+                       help="downscale images whose longer side exceeds N")
+    image.add_argument("--min-side", type=positive_int, default=1, help="reject images whose shorter side is under N")
+    image.add_argument("--max-pixels", type=positive_int, default=ImageOptions.max_pixels,
                        help=f"reject larger images as decompression bombs (default {ImageOptions.max_pixels})")
     image.add_argument("--no-validate", dest="validate", action="store_false",
                        help="pack bytes as they are, without decoding (only for corpora you already trust)")
@@ -77,12 +80,15 @@ def build_parser() -> argparse.ArgumentParser:
     labels.add_argument("--root", default=None,
                         help="manifest paths must resolve inside this folder or URL prefix (default: the manifest's "
                              "own folder; --root / allows any local path); rows outside it are rejected")
+    labels.add_argument("--follow-symlinks", action="store_true",
+                        help="follow symlinked folders below a folder SRC (default: skipped, with a warning); "
+                             "only those leading inside SRC, or inside --root when given, and each real folder once")
     run_group = p.add_argument_group("execution")
-    run_group.add_argument("--workers", type=int, default=default_workers(),
+    run_group.add_argument("--workers", type=positive_int, default=default_workers(),
                            help="decode/validate processes (default: CPUs available); output is the same for any N")
-    run_group.add_argument("--num-parts", type=int, default=1,
+    run_group.add_argument("--num-parts", type=positive_int, default=1,
                            help="split the shards into P parts (one per job-array task); merge afterwards")
-    run_group.add_argument("--part", type=int, default=None,
+    run_group.add_argument("--part", type=non_negative_int, default=None,
                            help="which part this process builds (default: $SLURM_ARRAY_TASK_ID - $SLURM_ARRAY_TASK_MIN)")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return p
@@ -92,7 +98,7 @@ def _subcommand_parser(name: str, help_text: str, workers: bool = False) -> argp
     p = argparse.ArgumentParser(prog=f"vitforge shard {name}", description=help_text)
     p.add_argument("dest", help="the folder or s3:// prefix holding dataset.json")
     if workers:
-        p.add_argument("--workers", type=int, default=default_workers(), help="shards checked in parallel")
+        p.add_argument("--workers", type=positive_int, default=default_workers(), help="shards checked in parallel")
     return p
 
 
@@ -131,7 +137,8 @@ def _shard(args: argparse.Namespace) -> int:
         image=ImageOptions(format=args.format, quality=args.quality, max_side=args.max_side,
                            min_side=args.min_side, max_pixels=args.max_pixels, validate=args.validate),
         dedup=args.dedup, classes_file=args.classes_file, path_column=args.path_column,
-        label_column=args.label_column, root=args.root, labels=args.labels, workers=args.workers,
+        label_column=args.label_column, root=args.root, labels=args.labels,
+        follow_symlinks=args.follow_symlinks, workers=args.workers,
         num_parts=args.num_parts, part=_part_from_env() if args.part is None else args.part,
     )
     result = run(job)

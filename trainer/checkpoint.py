@@ -235,27 +235,21 @@ class Checkpointer:
         """Collective. `engine_for(universal: bool)` builds the engine (DeepSpeed must know at
         construction whether it will load a universal checkpoint). Returns (engine, restored or None)."""
         candidates = agree(lambda: self.run.candidates(resume))
-        explicit = resume not in ("auto", "never")
+        if not candidates:
+            return engine_for(False), None
         engine, universal = None, None
-        for n, tag in enumerate(candidates):
-            try:
-                manifest = agree(lambda: self.run.manifest(tag))
-                resharded = manifest["world_size"] != self.world_size
-                load_dir = self._fetch(tag, manifest, resharded)
-                if resharded != universal:
-                    engine, universal = engine_for(resharded), resharded
-                restored = self._load(engine, load_dir, tag, manifest, resharded)
-                return engine, restored
-            except CheckpointError as e:
-                if explicit:
-                    raise
-                later = candidates[n + 1] if n + 1 < len(candidates) else None
-                log.warning("checkpoint %s is unusable: %s; %s", self.run.object_url(tag), e,
-                            f"falling back to {later}" if later else "no older complete checkpoint")
-        if candidates:
-            raise CheckpointError(f"{self.run.url}: no usable checkpoint among {', '.join(candidates)} "
-                                  "(see the warnings above); set checkpoint.resume=never to start afresh")
-        return engine or engine_for(False), None
+
+        def attempt(tag: str) -> tuple[object, Restored]:
+            nonlocal engine, universal
+            manifest = agree(lambda: self.run.manifest(tag))
+            resharded = manifest["world_size"] != self.world_size
+            load_dir = self._fetch(tag, manifest, resharded)
+            if resharded != universal:
+                engine, universal = engine_for(resharded), resharded
+            return engine, self._load(engine, load_dir, tag, manifest, resharded)
+
+        return self.run.first_usable(candidates, attempt, explicit=resume not in ("auto", "never"),
+                                     advice="; set checkpoint.resume=never to start afresh")
 
     def _fetch(self, tag: str, manifest: dict, everything: bool) -> str:
         """Every node's first rank fetches (and checks) the files its ranks need; all agree on the result."""

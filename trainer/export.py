@@ -1,8 +1,10 @@
 """Consolidated weights from a checkpoint of any ZeRO stage and world size, for `vitforge eval`,
 `vitforge ckpt export` and fine-tuning (`checkpoint.init_from`).
 
-Every file is fetched and its sha256 checked before DeepSpeed's zero-to-fp32 reads it. Loading
-never re-initialises a layer: a parameter whose shape differs is an error naming it.
+Every file is fetched and its sha256 checked before DeepSpeed's zero-to-fp32 reads it. A run URL
+means its newest usable checkpoint, chosen as `train` chooses where to resume. Loading never
+re-initialises a layer: a parameter whose shape differs is an error naming it. An export is the
+part of the model its objective names (objective.Objective.exported) under timm's key names.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from vitforge.core import CheckpointError, UsageError, atomic_path, atomic_write
 from vitforge.pipeline import IMAGENET_MEAN, IMAGENET_STD
 
 from .checkpoint import needed_files
+from .model import PreLogitsHead, build_model, check_model_name
+from .objective import OBJECTIVES
 from .run_store import RunStore, split_checkpoint_url
 
 log = logging.getLogger("vitforge.export")
@@ -33,22 +37,20 @@ class Consolidated:
     weights: str  # "ema" or "model"
 
 
-def resolve(url: str) -> tuple[RunStore, str]:
-    """A run URL (its newest complete checkpoint) or a step URL -> (run store, tag)."""
+def consolidate(url: str, scratch: str, prefer_ema: bool = True) -> Consolidated:
+    """A step URL's checkpoint, or a run URL's newest usable one (a damaged one is passed over with
+    a warning, as `train` does)."""
     run_url, tag = split_checkpoint_url(url)
     run = RunStore(run_url)
-    if tag is None:
-        tags = run.complete_tags()
-        if not tags:
-            raise CheckpointError(f"{run_url}: no complete checkpoint (a step folder with a manifest.json)")
-        tag = tags[-1]
-    return run, tag
+    candidates = run.candidates("auto") if tag is None else [tag]
+    if not candidates:
+        raise CheckpointError(f"{run_url}: no complete checkpoint (a step folder with a manifest.json)")
+    return run.first_usable(candidates, lambda t: _consolidate(run, t, scratch, prefer_ema), explicit=tag is not None)
 
 
-def consolidate(url: str, scratch: str, prefer_ema: bool = True) -> Consolidated:
+def _consolidate(run: RunStore, tag: str, scratch: str, prefer_ema: bool) -> Consolidated:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    run, tag = resolve(url)
     manifest = run.manifest(tag)
     folder = run.fetch(tag, needed_files(sorted(manifest["files"]), set(), everything=True), manifest, scratch)
     try:
@@ -69,8 +71,10 @@ def consolidate(url: str, scratch: str, prefer_ema: bool = True) -> Consolidated
     return Consolidated(state, manifest, run.object_url(tag), weights)
 
 
-def load_exact(model: torch.nn.Module, state: dict, where: str) -> None:
-    """load_state_dict(strict=True), with any missing, unexpected or mis-shaped parameter named."""
+def load_exact(model: torch.nn.Module, state: dict, where: str, assign: bool = False) -> None:
+    """load_state_dict(strict=True), with any missing, unexpected or mis-shaped parameter named.
+    `assign`: the model takes the state's tensors themselves (one built on the meta device: no
+    second copy of the weights)."""
     target = model.state_dict()
     missing = sorted(set(target) - set(state))
     unexpected = sorted(set(state) - set(target))
@@ -80,29 +84,67 @@ def load_exact(model: torch.nn.Module, state: dict, where: str) -> None:
         if tuple(state[name].shape) != tuple(value.shape):
             raise CheckpointError(f"{where}: parameter {name} has shape {tuple(state[name].shape)} in the "
                                   f"checkpoint but {tuple(value.shape)} in the model (model config differs?)")
-    model.load_state_dict(state, strict=True)
+    model.load_state_dict(state, strict=True, assign=assign)
 
 
-def model_description(manifest: dict) -> dict:
-    """What a user needs beside the weights: the timm name, the input and the class map."""
+def trained_model(weights: Consolidated) -> torch.nn.Module:
+    """The model the checkpoint was trained as, holding its weights (built on the meta device)."""
+    objective = weights.manifest.get("objective", "classification")
+    saved = weights.manifest.get("config", {}).get("model", {})
+    check_model_name(saved["name"])
+    with torch.device("meta"):
+        model = build_model(saved["name"], weights.manifest.get("num_classes") or 0, saved["image_size"],
+                            pre_logits=saved.get("pre_logits", False), objective=objective)
+    load_exact(model, weights.state, weights.url, assign=True)
+    return model
+
+
+def model_description(manifest: dict, exported: torch.nn.Module) -> dict:
+    """What a user needs beside the weights: the timm name, the input, the classifier's size (0:
+    the encoder alone) and class map, and the objective it was trained for."""
     model = manifest.get("config", {}).get("model", {})
     return {"model": model.get("name"), "image_size": model.get("image_size"),
-            "pre_logits": model.get("pre_logits", False),
-            "num_classes": manifest.get("num_classes"), "classes": manifest.get("classes"),
+            "pre_logits": isinstance(getattr(exported, "head", None), PreLogitsHead),
+            "num_classes": exported.num_classes, "classes": manifest.get("classes") if exported.num_classes else None,
+            "objective": manifest.get("objective", "classification"),
             "mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD), "step": manifest.get("step")}
 
 
-def export(url: str, out: str, scratch: str) -> dict:
-    """Write OUT (.safetensors) and OUT's .json description; return the description."""
-    from safetensors.torch import save_file
-
+def export(url: str, out: str, scratch: str, include_head: bool = False) -> dict:
+    """Write OUT (.safetensors: the timm model the objective exports, strict-loadable), with
+    `include_head` OUT.head.safetensors (the objective's pre-training head), and OUT's .json
+    description last; return the description."""
     if not out.endswith(".safetensors"):
         raise UsageError(f"--out {out}: the file name must end in .safetensors")
     weights = consolidate(url, scratch)
-    description = {**model_description(weights.manifest), "weights": weights.weights, "source": weights.url}
+    objective = weights.manifest.get("objective", "classification")
+    if objective not in OBJECTIVES:
+        raise UsageError(f"{weights.url}: objective {objective!r} cannot be exported (this vitforge exports "
+                         f"{', '.join(OBJECTIVES)})")
+    model = trained_model(weights)
+    exported = OBJECTIVES[objective].exported(model)
+    timm_state = exported.state_dict(keep_vars=True)
+    inside = {id(v) for v in timm_state.values()}
+    head = {k: v for k, v in model.state_dict(keep_vars=True).items() if id(v) not in inside}
+    if include_head and not head:
+        raise UsageError(f"--include-head: a {objective} export has no separate pre-training head (its whole "
+                         f"model goes to {out})")
+    description = {**model_description(weights.manifest, exported), "weights": weights.weights,
+                   "source": weights.url}
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with atomic_path(out) as tmp:
-        save_file({k: v.contiguous() for k, v in weights.state.items()}, tmp,
-                  metadata={"format": "pt", "model": str(description["model"])})
+    _save(timm_state, out, {"model": str(description["model"]), "objective": objective})
+    if include_head:
+        head_out = out.removesuffix(".safetensors") + ".head.safetensors"
+        _save(head, head_out, {"objective": objective})
+        description["head"] = os.path.basename(head_out)
+    elif head:
+        log.info("left out %s's pre-training head (%s): --include-head keeps it", objective, ", ".join(sorted(head)))
     atomic_write(out.removesuffix(".safetensors") + ".json", json.dumps(description, indent=1).encode())
     return description
+
+
+def _save(state: dict, out: str, metadata: dict) -> None:
+    from safetensors.torch import save_file
+
+    with atomic_path(out) as tmp:
+        save_file({k: v.detach().contiguous() for k, v in state.items()}, tmp, metadata={"format": "pt", **metadata})

@@ -16,11 +16,12 @@ import tempfile
 import numpy as np
 
 from vitforge.core import setup_logging
+from vitforge.core.cli_args import positive_int
 from vitforge.pipeline import IMAGENET_MEAN, IMAGENET_STD, LoaderSpec, build_loader
 
-from .export import consolidate, load_exact
+from .export import consolidate, trained_model
 from .figures import compute, write_figures
-from .model import build_model, check_model_name
+from .objective import OBJECTIVES
 
 
 def main(argv: list[str]) -> int:
@@ -28,20 +29,16 @@ def main(argv: list[str]) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="DIR/RUN or DIR/RUN/step_N, local or s3://")
     p.add_argument("--images", help="shards (folder or s3:// prefix with dataset.json) for the attention figures")
-    p.add_argument("--count", type=int, default=8, help="images to average attention over and show (default 8)")
+    p.add_argument("--count", type=positive_int, default=8,
+                   help="images to average attention over and show (default 8)")
     p.add_argument("--out", required=True, help="folder for the PNGs and numbers.json")
     args = p.parse_args(argv)
     setup_logging()
     with tempfile.TemporaryDirectory(prefix="vitforge-inspect-") as scratch:
         weights = consolidate(args.checkpoint, scratch)
     saved = weights.manifest.get("config", {}).get("model", {})
-    check_model_name(saved["name"])
-    objective = weights.manifest.get("objective", "classification")
-    model = build_model(saved["name"], weights.manifest["num_classes"], saved["image_size"],
-                        pre_logits=saved.get("pre_logits", False), objective=objective)
-    load_exact(model, weights.state, weights.url)
-    if objective == "masked_patch_prediction":
-        model = model.vit  # the figures are the encoder's
+    # the figures are those of what an export holds: the ViT (a masked-patch model's encoder)
+    model = OBJECTIVES[weights.manifest.get("objective", "classification")].exported(trained_model(weights))
 
     images = None
     if args.images:

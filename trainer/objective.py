@@ -1,8 +1,8 @@
 """What the model is trained to do, behind a name: the loss, and the metrics evaluation reports.
 
 Image classification, and masked patch prediction (self-supervised: the targets come from the
-pixels). Each is an entry in OBJECTIVES: its model inputs and targets from a batch, its loss, and
-what evaluation counts and reports.
+pixels). Each is an entry in OBJECTIVES: its model inputs and targets from a batch, its loss, what
+evaluation counts and reports, and which part of its model `vitforge ckpt export` gives to timm.
 """
 
 from __future__ import annotations
@@ -66,6 +66,15 @@ def masked_patch_inputs(batch: dict, module: torch.nn.Module, epoch: int, seed: 
     return (images, action, source), targets
 
 
+def whole_model(model: torch.nn.Module) -> torch.nn.Module:
+    return model
+
+
+def encoder(model: torch.nn.Module) -> torch.nn.Module:
+    """The ViT inside a MaskedPatchModel; the [mask] embedding and the colour head stay outside."""
+    return model.vit
+
+
 def per_patch(function: Callable) -> Callable:
     """A per-image function applied to every patch: (batch, patches, classes) logits, (batch, patches) targets."""
     return lambda logits, targets: function(logits.flatten(0, 1), targets.flatten())
@@ -85,11 +94,14 @@ class Objective:
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     eval_counts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # summed over batches and ranks
     eval_metrics: Callable[[torch.Tensor], dict]
+    # the model (not its engine) -> the timm VisionTransformer an export writes; the rest of the
+    # model's parameters are the objective's own pre-training head
+    exported: Callable[[torch.nn.Module], torch.nn.Module]
 
 
 OBJECTIVES = {
     "classification": Objective("classification", classification_inputs, masked_loss, classification_counts,
-                                classification_metrics),
+                                classification_metrics, whole_model),
     "masked_patch_prediction": Objective("masked_patch_prediction", masked_patch_inputs, per_patch(masked_loss),
-                                         per_patch(classification_counts), masked_patch_metrics),
+                                         per_patch(classification_counts), masked_patch_metrics, encoder),
 }

@@ -14,6 +14,7 @@ Layout of DIR/RUN (a local folder, file:// or s3://):
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import socket
@@ -22,6 +23,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Callable, TypeVar
 
 from vitforge.core import (CheckpointError, PreconditionFailed, StorageError, open_store, process_alive,
                            sha256_file)
@@ -33,6 +35,8 @@ METRICS = "metrics.jsonl"
 RECEIPTS = "receipts"
 TAG = re.compile(r"^step_(\d{8,})$")
 MANIFEST_VERSION = 2
+log = logging.getLogger("vitforge.checkpoint")
+T = TypeVar("T")
 
 
 def tag_for(step: int) -> str:
@@ -121,7 +125,37 @@ class RunStore:
             raise CheckpointError(f"{resume}: names no step_NNNNNNNN checkpoint")
         return [tag]
 
+    def first_usable(self, candidates: list[str], attempt: Callable[[str], T], explicit: bool,
+                     advice: str = "") -> T:
+        """`attempt(tag)` on each candidate, best first, until one succeeds. A CheckpointError
+        (unreadable manifest, missing or corrupt file, weights that do not load) passes over that
+        checkpoint with a warning saying why, unless it was asked for by name (`explicit`): then
+        it is raised. The same choice for `train`'s resume and for every reader of a run URL."""
+        for n, tag in enumerate(candidates):
+            try:
+                return attempt(tag)
+            except CheckpointError as e:
+                if explicit:
+                    raise
+                later = candidates[n + 1] if n + 1 < len(candidates) else None
+                log.warning("checkpoint %s is unusable: %s; %s", self.object_url(tag), e,
+                            f"falling back to {later}" if later else "no older complete checkpoint")
+        raise CheckpointError(f"{self.url}: no usable checkpoint among {', '.join(candidates)} "
+                              f"(see the warnings above){advice}")
+
     # -- checking and fetching ---------------------------------------------------------------
+    def listed_problems(self, tag: str, manifest: dict, present: dict[str, int]) -> list[str]:
+        """Files the manifest lists that the listing `present` (name -> bytes) lacks or has at
+        another size: what a listing can tell without reading a byte."""
+        problems = []
+        for name, meta in sorted(manifest["files"].items()):
+            if name not in present:
+                problems.append(f"{self.object_url(f'{tag}/{name}')}: missing")
+            elif present[name] != meta["bytes"]:
+                problems.append(f"{self.object_url(f'{tag}/{name}')}: {present[name]} bytes, the manifest says "
+                                f"{meta['bytes']}")
+        return problems
+
     def fetch(self, tag: str, names: list[str], manifest: dict, folder: str, threads: int = 2) -> str:
         """Make `names` of checkpoint `tag` available on local disk with their sha256 checked before
         anything reads them. Local stores are hashed in place; remote ones are downloaded in
@@ -165,13 +199,7 @@ class RunStore:
         except CheckpointError as e:
             return [str(e)]
         present = self.step_folders().get(tag, {})
-        problems = []
-        for name, meta in sorted(manifest["files"].items()):
-            if name not in present:
-                problems.append(f"{self.object_url(f'{tag}/{name}')}: missing")
-            elif present[name] != meta["bytes"]:
-                problems.append(f"{self.object_url(f'{tag}/{name}')}: {present[name]} bytes, the manifest says "
-                                f"{meta['bytes']}")
+        problems = self.listed_problems(tag, manifest, present)
         checkable = [n for n in manifest["files"] if present.get(n) == manifest["files"][n]["bytes"]]
         with tempfile.TemporaryDirectory(prefix="vitforge-verify-") as scratch:
             def check(name: str) -> str | None:

@@ -78,6 +78,8 @@ def _type(field) -> str:
 
 def _type_name(annotation) -> str:
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:  # a constrained type (e.g. the launch spec's SlurmName) shows as its base
+        return _type_name(args[0])
     if origin is typing.Literal:
         return " \\| ".join(f"`{a}`" for a in args)
     if _is_union(annotation):

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 from vitforge.cluster import cancel, job_info, local_slurm_missing, start_local_slurm, stop_local_slurm
 from vitforge.core import free_port, open_store
+from vitforge.core.cli_args import bounded, positive_int
 
 from .demo_report import write_report
 from .local_s3 import start_local_s3
@@ -86,17 +87,18 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="vitforge demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="demo-out", help="working folder (default ./demo-out, replaced)")
-    p.add_argument("--images", type=int, default=3000, help="training images to generate (default 3000)")
-    p.add_argument("--val-images", type=int, default=500, help="held-out images (default 500)")
-    p.add_argument("--steps", type=int, default=600, help="training steps of 32 images (default 600)")
-    p.add_argument("--workers", type=int, default=2, help="sharding processes (default 2)")
+    p.add_argument("--images", type=bounded(int, low=100), default=3000,
+                   help="training images to generate (default 3000)")
+    p.add_argument("--val-images", type=bounded(int, low=10), default=500,
+                   help="held-out images (default 500)")
+    p.add_argument("--steps", type=bounded(int, low=20), default=600,
+                   help="training steps of 32 images (default 600)")
+    p.add_argument("--workers", type=positive_int, default=2, help="sharding processes (default 2)")
     p.add_argument("--store", choices=("auto", "local"), default="auto",
                    help="auto: an S3 server on 127.0.0.1 (a local folder if it cannot start); local: a folder")
     p.add_argument("--launcher", choices=("auto", "slurm", "direct"), default="auto",
                    help="auto: a private local SLURM when its daemons are installed and this is root, else direct")
     args = p.parse_args(argv)
-    if args.steps < 20 or args.images < 100 or args.val_images < 10:
-        p.error("--steps must be at least 20, --images 100 and --val-images 10")
     demo = Demo(args.out, args.images, args.val_images, args.steps, args.workers, args.store, args.launcher)
     started = time.monotonic()
     shutil.rmtree(demo.out, ignore_errors=True)
