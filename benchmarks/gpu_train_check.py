@@ -5,6 +5,7 @@ images/s, MFU (model FLOPs per image x images/s / the device's dense bf16 peak) 
 Goal: MFU >= 50% (the ViT-22B paper reports 54.9% on TPUv4).
 
     python benchmarks/gpu_train_check.py [--candidates 256,192,128,64] [--steps 30] [--out DIR]
+    python benchmarks/gpu_train_check.py --collectives [--out DIR]   # issue 18: NCCL collectives
 """
 
 from __future__ import annotations
@@ -57,14 +58,62 @@ def attempt(model: str, image_size: int, micro: int, steps: int, checkpointing: 
             "mfu": last["mfu"], "peak_memory_gb": max(m["memory_gb"] for m in logged)}
 
 
+def collectives(timeout: float) -> dict:
+    """Issue 18: every collective of a run on the engine's device. A tiny model trained for more
+    than log_every steps with one evaluation (the log line's and eval's all-reduces), saved; a
+    fine-tune from it (weights broadcast tensor by tensor) and `vitforge eval` of it (the same):
+    under NCCL when a GPU is there, which has no CPU tensors. Returns {stage: "ok" or why not}."""
+    from vitforge.synthetic import write_class_folders
+
+    outcome = {}
+    with tempfile.TemporaryDirectory() as work:
+        # A small real dataset (the synthetic source is ImageNet-sized: its evaluation would take minutes)
+        write_class_folders(f"{work}/images", num_classes=10, per_class=8, size=(40, 40))
+        subprocess.run([sys.executable, "-m", "vitforge", "shard", f"{work}/images", f"{work}/shards"], cwd=REPO,
+                       check=True, capture_output=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO)})
+        sets = [f"data.train={work}/shards", f"data.val={work}/shards", "data.backend=torch", "data.workers=0",
+                "model.name=vit_tiny_cpu", "model.image_size=32", "train.micro_batch=8", "train.global_batch=8",
+                "train.log_every=2", "optimizer.warmup_steps=1", "train.precision=fp32", f"checkpoint.dir={work}"]
+        base = [f"--set={item}" for item in sets]
+        stages = {
+            "train (log every 2 of 6 steps, eval at 6)": ["train", "tiny_cpu", *base, "--set=checkpoint.run=base",
+                                                          "--set=train.steps=6", "--set=train.eval_every=6"],
+            "fine-tune init (weights broadcast)": ["train", "tiny_cpu", *base, "--set=checkpoint.run=tuned",
+                                                   "--set=train.steps=3", "--set=train.eval_every=3",
+                                                   f"--set=checkpoint.init_from={work}/base"],
+            "eval (weights broadcast)": ["eval", "tiny_cpu", f"--checkpoint={work}/base", *base],
+        }
+        for label, args in stages.items():
+            try:
+                result = subprocess.run([sys.executable, "-m", "vitforge", *args], cwd=REPO, capture_output=True,
+                                        text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO)})
+                tail = result.stderr.strip().splitlines()[-2:] or ["?"]
+                outcome[label] = "ok" if result.returncode == 0 else \
+                    f"exit {result.returncode}: " + " | ".join(line[:200] for line in tail)
+            except subprocess.TimeoutExpired:
+                outcome[label] = f"timed out after {timeout:.0f} s"
+            print(f"  collectives, {label}: {outcome[label]}")
+            if outcome[label] != "ok":
+                break
+    return outcome
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--collectives", action="store_true",
+                   help="only the collectives check (issue 18; runs on a CPU too, with gloo)")
     p.add_argument("--candidates", default="256,192,128,64")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--model", default="vit_huge_patch14_224", help="(a tiny one checks the script on a CPU)")
     p.add_argument("--image-size", type=int, default=224)
     p.add_argument("--out", default=os.environ.get("VITFORGE_GPU_OUT"))
     args = p.parse_args()
+    if args.collectives:
+        outcome = collectives(timeout=60)
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            Path(args.out, "collectives.json").write_text(json.dumps(outcome, indent=1))
+        return 0 if all(v == "ok" for v in outcome.values()) and len(outcome) == 3 else 1
     best = None
     for micro in (int(c) for c in args.candidates.split(",")):
         best = attempt(args.model, args.image_size, micro, args.steps, checkpointing=False)

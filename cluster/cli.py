@@ -1,5 +1,6 @@
-"""`vitforge plan`: how long, how many GPU-hours, how many decode cores, how much object-store
-traffic and how often to checkpoint, for a model, a dataset and a cluster, on paper."""
+"""`vitforge plan`: how long (compute and communication per ZeRO stage), how many GPU-hours, how
+many decode cores, how much object-store traffic, how often to checkpoint, how long a restart takes
+and how much host memory a rank needs, for a model, a dataset and a cluster, on paper."""
 
 from __future__ import annotations
 
@@ -22,6 +23,15 @@ HELP = {
     "checkpoint_bandwidth": "bytes/s one rank writes", "store_bandwidth": "bytes/s the store accepts in all",
     "node_mtbf_hours": "mean time between failures of one node",
     "target_lost_fraction": "largest share of the run to lose to failures",
+    "global_batch": "images per optimizer step", "micro_batch": "images per GPU per forward pass",
+    "nvlink_bandwidth": "bytes/s per GPU within a node", "network_bandwidth": "bytes/s per node between nodes",
+    "comm_overlap": "share of the communication hidden behind compute, 0-1",
+    "node_read_bandwidth": "bytes/s one node reads from the store",
+    "warmup_s": "seconds from process start to the first step (NCCL init, compile)",
+    "index_bytes_per_sample": "host bytes per sample of the loader's index",
+    "cache_limit_bytes": "node cache bound (data.cache_gb)", "shards_ahead": "shards each reader fetches ahead",
+    "offload_optimizer": "DeepSpeed CPU optimizer offload (fp32 master and Adam on the host)",
+    "node_ram_bytes": "host memory per node",
 }
 
 
@@ -29,8 +39,12 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="vitforge plan", description=__doc__,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for field in fields(PlanInput):
+        flag = f"--{field.name.replace('_', '-')}"
+        if field.type in ("bool", bool):
+            p.add_argument(flag, action="store_true", help=HELP[field.name])
+            continue
         kind = float if field.type in ("float", float) else int if field.type in ("int", int) else str
-        p.add_argument(f"--{field.name.replace('_', '-')}", type=kind, default=field.default, help=HELP[field.name])
+        p.add_argument(flag, type=kind, default=field.default, help=HELP[field.name])
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = vars(p.parse_args(argv))
     as_json = args.pop("json")

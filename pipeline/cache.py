@@ -3,9 +3,25 @@ node-local disk, shared by every rank of the node and their loader workers, then
 
 One folder per node and dataset. A shard is fetched by one process while the others wait on its
 lock (flock: the kernel releases it if that process dies), written under a partial name and renamed
-when whole. The folder is bounded: to make room, the shards the node's order needs last (first
-those it needs no more this epoch) are removed; a reader that still has one open keeps reading it
-(an unlinked file lives while open).
+when whole.
+
+The bound (data.cache_gb) always holds: the bytes of the cached files plus the bytes reserved by
+fetches in flight (a partial file reserves its whole length from the start) never exceed it, however
+many ranks and loader workers fetch at once; every decision is taken under one folder-wide flock.
+Room is made by removing cached shards, those this node reads no more this epoch first, then the one
+it needs last (Belady: `next_use` knows the node's order). A shard a reader holds open (a shared
+flock on the file) is never removed: its space is in use, and unlinking it would free nothing on
+disk until that reader closes it. Eviction is lazy, so the folder fills to the bound and what an
+epoch leaves behind is reused by the next run while it fits. When no room can be made:
+- read-ahead (`prefetch`) fetches nothing and returns False: it may only remove shards needed after
+  the one it fetches (anything else would only be fetched twice);
+- a shard needed now (`open`) may remove any shard nobody holds open; if that is not enough it waits
+  while fetches are in flight (they finish, and what they fetched may then be removed), and when none
+  is, reads this shard from the store instead (one ranged GET per read), with one warning. It never
+  waits for a reader to close a shard: ranks wait for each other in collectives, so that could
+  deadlock. mosaicml-streaming (cache_limit) instead evicts the least-recently-used shard even if a
+  worker is reading it (the worker downloads it again) and raises when nothing is left to evict.
+`cache_footprint` states the same rule for the capacity planner.
 
 What the cache guarantees: a file enters it only after its size and sha256 match dataset.json,
 hashed in order as the parts arrive (no second pass); then a marker beside it records the file's
@@ -36,6 +52,7 @@ import math
 import os
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -48,6 +65,7 @@ PARTIAL = ".partial"
 LOCK = ".lock"
 CHECKED = ".checked"  # the marker: the identity of the file whose size and sha256 were checked
 NEVER = math.inf
+ROOM_POLL_S = 0.05  # how often an open that waits for fetches in flight looks for room again
 
 
 @dataclass
@@ -67,6 +85,35 @@ def cache_spec(spec: LoaderSpec, node: int) -> CacheSpec:
     return CacheSpec(os.path.join(root, f"node{node}", dataset), int(spec.cache_gb * 1e9),
                      int(spec.read_block_mb * 2**20),
                      spec.shards_ahead)
+
+
+@dataclass(frozen=True)
+class CacheFootprint:
+    """A node's shard cache under its bound, as `cache_footprint` works it out."""
+    shards: int  # whole shards the bound holds
+    ahead: int  # shards each reader really fetches ahead of those it holds open
+    working_bytes: int  # what the readers hold open plus what they fetch ahead, node-wide
+    peak_bytes: int  # the most the folder holds: eviction is lazy, so it fills to whole shards within the bound
+    streams: bool  # the bound cannot hold the shards every reader has open: some are read from the store
+
+
+def cache_footprint(shard_bytes: int, ranks_per_node: int, ahead: int, limit_bytes: int, *,
+                    open_shards: int = 1) -> CacheFootprint:
+    """The rule ShardCache follows, for shards of (at most) `shard_bytes`, `ranks_per_node` readers
+    each holding `open_shards` open (1 + the shards a rank's shuffle window spans, when it spans
+    several) and asking for `ahead` more, within `limit_bytes`. Open shards are never evicted, and a
+    read-ahead never evicts a shard needed before its own, so each reader gets at least the same depth:
+    the whole shards left per reader after the open ones, at most `ahead`. A rank's loader workers read
+    the same shards, so they count as one reader."""
+    if shard_bytes <= 0 or ranks_per_node < 1 or ahead < 0 or limit_bytes <= 0 or open_shards < 1:
+        raise ValueError(f"cache_footprint needs shard_bytes > 0, ranks_per_node >= 1, ahead >= 0, limit_bytes > 0 "
+                         f"and open_shards >= 1, not {shard_bytes}, {ranks_per_node}, {ahead}, {limit_bytes}, "
+                         f"{open_shards}")
+    shards = limit_bytes // shard_bytes
+    spare = shards // ranks_per_node - open_shards
+    really = max(0, min(ahead, spare))
+    working = min(shards, ranks_per_node * (open_shards + really))
+    return CacheFootprint(shards, really, working * shard_bytes, shards * shard_bytes, spare < 0)
 
 
 def shard_file_name(url: str, length: int, sha256: str | None) -> str:
@@ -129,6 +176,8 @@ class ShardCache:
         self._stores: dict[str, S3Store] = {}
         self._lock = threading.Lock()
         self.opens = self.fetches = self.bytes_fetched = 0
+        self.skipped = 0  # read-aheads that found no room (nothing fetched)
+        self.streamed = 0  # shards needed now that found no room, read from the store
         self._warned = False
         self._disk_full = False  # once a fetch could not be written, this reader streams what is not cached
         with locked(os.path.join(spec.folder, ".room" + LOCK)):
@@ -143,32 +192,38 @@ class ShardCache:
 
     def open(self, url: str, length: int, sha256: str | None) -> ShardFile | StreamedShard:
         """The shard's first `length` bytes: its checked cached file (fetched if absent or changed),
-        or, when the node's disk cannot hold it, its byte ranges straight from the store."""
+        held open (so never evicted) until closed; or, when the node's disk or the bound cannot hold
+        it, its byte ranges straight from the store."""
         with self._lock:
             self.opens += 1
         name = shard_file_name(url, length, sha256)
-        fd = _open_checked(os.path.join(self.spec.folder, name))
+        fd = _open_checked(os.path.join(self.spec.folder, name), hold=True)
         if fd is None:
-            fd = self._fetch(url, length, sha256, name)
+            fd = self._fetch(url, length, sha256, name, now=True)
         if fd is None:
             store, key = self._store_for(url)
             return StreamedShard(store, key, self._count_bytes)
         return ShardFile(fd)
 
-    def prefetch(self, url: str, length: int, sha256: str | None) -> None:
+    def prefetch(self, url: str, length: int, sha256: str | None) -> bool:
+        """Fetch the shard ahead of need; False when there was no room for it (nothing fetched: the
+        caller may ask again later) or the disk is full."""
         name = shard_file_name(url, length, sha256)
         fd = _open_checked(os.path.join(self.spec.folder, name))
         if fd is None:
-            fd = self._fetch(url, length, sha256, name)
-        if fd is not None:
-            os.close(fd)
+            fd = self._fetch(url, length, sha256, name, now=False)
+        if fd is None:
+            return False
+        os.close(fd)
+        return True
 
-    def _fetch(self, url: str, length: int, sha256: str | None, name: str) -> int | None:
-        """Under the shard's lock: a descriptor of the checked file, fetched unless another process
-        made it while we waited; a changed copy is evicted first. None when the disk cannot hold it."""
+    def _fetch(self, url: str, length: int, sha256: str | None, name: str, now: bool) -> int | None:
+        """Under the shard's lock: a descriptor of the checked file (held open when needed `now`),
+        fetched unless another process made it while we waited; a changed copy is evicted first.
+        None when the disk or the bound cannot hold it."""
         final = os.path.join(self.spec.folder, name)
         with locked(final + LOCK):
-            fd = _open_checked(final)
+            fd = _open_checked(final, hold=now)
             if fd is not None:
                 return fd
             evicted = _remove(final)
@@ -179,8 +234,12 @@ class ShardCache:
                 return None
             partial = final + PARTIAL
             fd = None
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(partial)  # a dead fetch's (we hold its lock): it must not count as in flight
+            if not self._make_room(length, self.next_use(name), partial, now):
+                self._no_room(url, length, now)
+                return None
             try:
-                self._make_room(length, self.next_use(name), partial)
                 store, key = self._store_for(url)
                 digest = store.download(key, partial, part_bytes=self.spec.block_bytes,
                                         threads=max(1, min(8, -(-length // self.spec.block_bytes))), length=length)
@@ -189,6 +248,8 @@ class ShardCache:
                     raise StorageError(f"{url}: the object differs from dataset.json (its first {length} bytes hash "
                                        f"to {digest}, not {sha256}); not cached as {final}{again}")
                 fd = os.open(partial, os.O_RDONLY)  # the inode, whatever removes the name
+                if now:
+                    fcntl.flock(fd, fcntl.LOCK_SH)  # held before it has a name that eviction sees
                 os.rename(partial, final)
                 _mark_checked(final, fd)
             except LocalWriteError as e:
@@ -220,30 +281,59 @@ class ShardCache:
                 self._stores[folder] = open_store(folder)
             return self._stores[folder], key
 
-    def _make_room(self, need: int, incoming_next_use: float, partial: str) -> None:
-        """Remove shards, those needed last first, until `need` more bytes fit, but none the node
-        needs before the incoming one (that would only fetch it again); then reserve the space by
-        creating `partial`, under the same lock, so that no other fetch counts it as free."""
-        with locked(os.path.join(self.spec.folder, ".room" + LOCK)):
-            shards, total = [], 0
-            for entry in os.scandir(self.spec.folder):
-                if entry.name.endswith(PARTIAL):
-                    total += self._partial_size_or_discard(entry)
-                elif not entry.name.endswith((LOCK, CHECKED)):
-                    size = entry.stat().st_size
-                    shards.append((self.next_use(entry.name), entry.name, size))
-                    total += size
-            for next_use, name, size in sorted(shards, reverse=True):
-                if total + need <= self.spec.limit_bytes or next_use <= incoming_next_use:
-                    break
-                _remove(os.path.join(self.spec.folder, name))
-                total -= size
-            if total + need > self.spec.limit_bytes and not self._warned:
-                self._warned = True
-                log.warning("shard cache %s: the shards in use need %.1f GB, more than its %.1f GB limit "
-                            "(data.cache_gb); going over it rather than fetching shards twice",
-                            self.spec.folder, (total + need) / 1e9, self.spec.limit_bytes / 1e9)
-            open(partial, "wb").close()
+    def _make_room(self, need: int, incoming_next_use: float, partial: str, now: bool) -> bool:
+        """Make room for `need` more bytes within the bound and reserve it by creating `partial`, all
+        under the folder's lock, so that no other fetch counts it as free; False when there is none.
+        Removed first: shards this node reads no more this epoch, then those it needs last; never one
+        a reader holds open, and, unless the shard is needed `now`, none needed before it. A shard
+        needed now waits while fetches are in flight: once whole, theirs may be removed."""
+        if need > self.spec.limit_bytes:
+            return False
+        while True:
+            with locked(os.path.join(self.spec.folder, ".room" + LOCK)):
+                shards, total, in_flight = [], 0, False
+                for entry in os.scandir(self.spec.folder):
+                    if entry.name.endswith(PARTIAL):
+                        reserved = self._partial_size_or_discard(entry)
+                        total, in_flight = total + reserved, in_flight or reserved > 0
+                    elif not entry.name.endswith((LOCK, CHECKED)):
+                        with contextlib.suppress(FileNotFoundError):  # a changed copy, removed by its fetch
+                            size = entry.stat().st_size
+                            shards.append((self.next_use(entry.name), entry.name, size))
+                            total += size
+                taken = []  # (path, descriptor holding its exclusive lock): removed if that makes room
+                for next_use, name, size in sorted(shards, reverse=True):
+                    if total + need <= self.spec.limit_bytes or (not now and next_use <= incoming_next_use):
+                        break
+                    path = os.path.join(self.spec.folder, name)
+                    fd = _lock_unheld(path)
+                    if fd is not None:
+                        taken.append((path, fd))
+                        total -= size
+                fits = total + need <= self.spec.limit_bytes
+                for path, fd in taken:
+                    if fits:
+                        _remove(path)
+                    os.close(fd)
+                if fits:
+                    open(partial, "wb").close()
+                    return True
+            if not (now and in_flight):
+                return False
+            time.sleep(ROOM_POLL_S)
+
+    def _no_room(self, url: str, length: int, now: bool) -> None:
+        with self._lock:
+            if not now:
+                self.skipped += 1
+                return
+            self.streamed += 1
+            first, self._warned = not self._warned, True
+        if first:
+            log.warning("shard cache %s: no room for %s (%.2f GB) within its %.2f GB limit (data.cache_gb): the "
+                        "shards readers hold open fill it; reading it from the store instead (one GET per sample, "
+                        "slower). Raise data.cache_gb or lower data.shards_ahead.", self.spec.folder, url,
+                        length / 1e9, self.spec.limit_bytes / 1e9)
 
     def _partial_size_or_discard(self, entry: os.DirEntry) -> int:
         """A partial file whose lock nobody holds is a dead fetch's: removed. Else the bytes it will
@@ -256,14 +346,19 @@ class ShardCache:
         return int(entry.name.removesuffix(PARTIAL).rsplit("-", 1)[1])
 
 
-def _open_checked(path: str) -> int | None:
+def _open_checked(path: str, hold: bool = False) -> int | None:
     """A descriptor of the cached file if it is still the file its fetch checked (its marker holds
-    this inode, size, mtime and ctime); None when it is absent, changed, or was never checked."""
+    this inode, size, mtime and ctime); None when it is absent, changed, or was never checked.
+    `hold`: with a shared flock on it, which keeps it from eviction until the descriptor is closed."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
         return None
     try:
+        if hold:
+            # An evictor holds the exclusive lock only while it removes the file and its marker: once
+            # ours is granted, the marker check below tells whether this inode is still the cached one.
+            fcntl.flock(fd, fcntl.LOCK_SH)
         with open(path + CHECKED) as marker:
             if marker.read() == _identity(os.fstat(fd)):
                 return fd
@@ -271,6 +366,21 @@ def _open_checked(path: str) -> int | None:
         pass
     os.close(fd)
     return None
+
+
+def _lock_unheld(path: str) -> int | None:
+    """A descriptor holding the file's exclusive flock, or None when a reader holds it open (or it
+    is gone): only then may it be removed, and nobody can open it for reading until we close."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd
+    except BlockingIOError:
+        os.close(fd)
+        return None
 
 
 def _mark_checked(path: str, fd: int) -> None:

@@ -20,13 +20,14 @@ import torch
 
 from vitforge.core import CheckpointError
 
-from .cache import cache_spec
 from .index import DatasetError, DatasetIndex, load_index
-from .order import RankSlice, subset_ids
+from .order import RankSlice
 from .spec import LoaderSpec
 
 log = logging.getLogger("vitforge.pipeline")
-STATE_VERSION = 2  # 2 added the partitions; a version 1 state is an order of one partition
+# 2 added the partitions (a version 1 state is an order of one partition); 3 draws subsets per
+# shard (a version 1 or 2 state with a subset resumes with its own, ranked subset).
+STATE_VERSION = 3
 
 
 class SyntheticBackend:
@@ -112,8 +113,8 @@ class Loader:
                 "batch_size": self.spec.batch_size, "partitions": self.partitions}
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("version") not in (1, STATE_VERSION):
-            raise CheckpointError(f"loader state version {state.get('version')} is not 1 or {STATE_VERSION}")
+        if state.get("version") not in (1, 2, STATE_VERSION):
+            raise CheckpointError(f"loader state version {state.get('version')} is not 1 to {STATE_VERSION}")
         partitions = state.get("partitions", 1)
         if partitions != self.partitions:
             if self.spec.partitions is not None:
@@ -129,6 +130,10 @@ class Loader:
             log.info("resuming at %d ranks x %d per batch a position saved at %d x %d: exact, from position %d",
                      self.world_size, self.spec.batch_size, state["world_size"], state["batch_size"],
                      state["consumed"])
+        if state["version"] < 3 and self.index is not None and self.index.subset is not None:
+            log.info("resuming a run whose subset was drawn by loader state version %d: its samples, ranked "
+                     "over the whole dataset once", state["version"])
+            self.index = self.backend.index = self.index.with_subset(self.spec.subset, self.spec.seed, ranked=True)
         self.epoch, self.consumed = state["epoch"], state["consumed"]
 
     def window(self) -> dict:
@@ -169,10 +174,10 @@ def build_loader(spec: LoaderSpec, rank: int = 0, world_size: int = 1,
     if name == "synthetic":
         backend = SyntheticBackend(spec, synthetic_classes, device)
         return Loader(spec, None, backend, rank, world_size, synthetic_samples, accumulation, ranks_per_node)
-    index = load_index(spec.dataset, cache_spec(spec, rank // ranks_per_node).folder)
+    index = load_index(spec.dataset)
     if spec.subset is not None:
         try:
-            index = index.select(subset_ids(len(index), spec.subset, spec.seed))
+            index = index.with_subset(spec.subset, spec.seed)
         except ValueError as e:
             raise DatasetError(f"{spec.dataset}: {e}") from None
         log.info("subset %r of %s: %d samples", spec.subset, spec.dataset, len(index))

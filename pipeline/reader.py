@@ -13,7 +13,7 @@ from __future__ import annotations
 import io
 import logging
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
@@ -27,7 +27,7 @@ from . import randaugment
 from .augment import Windows, crop_windows
 from .cache import NEVER, CacheSpec, ShardCache, ShardFile, StreamedShard, cache_spec, shard_file_name
 from .index import DatasetIndex
-from .order import RankSlice, epoch_order
+from .order import EpochOrder, RankSlice, shard_uses
 from .spec import LoaderSpec
 
 log = logging.getLogger("vitforge.pipeline")
@@ -81,12 +81,13 @@ class SampleReader:
     cannot hold them). A shard's file is closed after the last batch of the plan that reads it, so
     the cache may reclaim it."""
 
-    def __init__(self, index: DatasetIndex, plan: list[np.ndarray], cache: CacheSpec | None = None,
+    def __init__(self, index: DatasetIndex, plan: list[tuple[np.ndarray, np.ndarray]], cache: CacheSpec | None = None,
                  node_future: "NodeFuture | None" = None):
-        """`cache` and `node_future`: for object-store shards (see raw_batches), else None."""
+        """`plan`: each batch's (shard, row) per sample. `cache` and `node_future`: for object-store
+        shards (see raw_batches), else None."""
         self.index = index
         self._open: dict[int, ShardFile | StreamedShard] = {}
-        shards_of = [np.unique(index.shard[ids]).tolist() for ids in plan]
+        shards_of = [np.unique(shards).tolist() for shards, _ in plan]
         last_use = {s: i for i, shards in enumerate(shards_of) for s in shards}
         self._closing = [[s for s in shards if last_use[s] == i] for i, shards in enumerate(shards_of)]
         # Shards in the order the plan first reads them; known[i]: how many of them batch i has reached.
@@ -97,11 +98,11 @@ class SampleReader:
             self._upcoming += [s for s in shards if s not in seen]
             seen.update(shards)
             self._known.append(len(self._upcoming))
-        self._lengths = shard_lengths(index)
         self._cache = self._prefetcher = None
         self._batch = self._batch_position = self._submitted = 0
+        self._pending: list[tuple[int, Future]] = []  # read-ahead on its way: (place in _upcoming, future)
         if cache is not None:
-            names = {shard_file_name(*self._identity(s)): s for s in range(len(index.shard_urls))}
+            names = {shard_file_name(*self._identity(s)): s for s in node_future.shards}
             self._cache = ShardCache(cache, lambda name: node_future.next_use(names.get(name), self._batch_position))
             self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="shard-prefetch")
         self._counted = self._counters()
@@ -119,13 +120,13 @@ class SampleReader:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def read(self, sample_ids: np.ndarray, position: int) -> tuple[list[bytes], dict]:
+    def read(self, shards: np.ndarray, rows: np.ndarray, position: int) -> tuple[list[bytes], dict]:
         """The samples' byte ranges, and what reading them cost: {"requests", "bytes"} from the store
         (or bytes read locally), {"opens", "fetches"} of cached shards since the previous batch."""
         if self._cache is not None:
             self._batch_position = position
             self._prefetch_ahead()
-        regions = [self._read_one(int(s)) for s in sample_ids]
+        regions = [self._read_one(int(s), int(r)) for s, r in zip(shards, rows)]
         for shard in self._closing[self._batch]:
             self._open.pop(shard).close()
         self._batch += 1
@@ -146,12 +147,17 @@ class SampleReader:
                 "fetches": cache.fetches}
 
     def _prefetch_ahead(self) -> None:
-        """Keep the shards of this batch and the next `ahead` ones (in first-use order) on their way."""
+        """Keep the shards of this batch and the next `ahead` ones (in first-use order) on their way;
+        read-ahead the cache had no room for is asked again, while its shard is still ahead."""
         wanted = min(len(self._upcoming), self._known[self._batch] + self._cache.spec.ahead)
-        while self._submitted < wanted:
-            shard = self._upcoming[self._submitted]
-            self._prefetcher.submit(self._cache.prefetch, *self._identity(shard))
-            self._submitted += 1
+        ahead = self._known[self._batch]
+        again = [u for u, future in self._pending if future.done() and u >= ahead and future.exception() is None
+                 and future.result() is False]
+        self._pending = [(u, future) for u, future in self._pending if not future.done()]
+        for u in again + list(range(self._submitted, wanted)):
+            self._pending.append((u, self._prefetcher.submit(self._cache.prefetch,
+                                                             *self._identity(self._upcoming[u]))))
+        self._submitted = max(self._submitted, wanted)
 
     def _identity(self, shard: int) -> tuple[str, int, str | None]:
         """(URL, bytes to fetch, sha256 or None): what names a shard in the cache. With dataset.json
@@ -159,11 +165,12 @@ class SampleReader:
         else up to the end of its last sample."""
         if self.index.shard_sha256:
             return self.index.shard_urls[shard], self.index.shard_bytes[shard], self.index.shard_sha256[shard]
-        return self.index.shard_urls[shard], int(self._lengths[shard]), None
+        return self.index.shard_urls[shard], self.index.samples(shard).end, None
 
-    def _read_one(self, sample: int) -> bytes:
+    def _read_one(self, shard: int, row: int) -> bytes:
         index = self.index
-        shard, start, length = int(index.shard[sample]), int(index.start[sample]), int(index.length[sample])
+        samples = index.samples(shard)
+        start, length = int(samples.start[row]), int(samples.length[row])
         source = self._open.get(shard)
         if source is None:
             url = index.shard_urls[shard]
@@ -176,29 +183,21 @@ class SampleReader:
         return data
 
 
-def shard_lengths(index: DatasetIndex) -> np.ndarray:
-    """Bytes from each shard's start to the end of its last sample: what a cache needs of it."""
-    ends = np.zeros(len(index.shard_urls), np.int64)
-    np.maximum.at(ends, index.shard, index.start + index.length)
-    return ends
-
-
 class NodeFuture:
-    """When this node next reads each shard in the rest of the epoch: the positions of the epoch
-    order read by any rank of the node, grouped by shard."""
+    """When this node next reads each shard in the rest of the epoch, from the (first, last)
+    positions at which the partitions its ranks read use each shard (order.shard_uses): O(shards
+    of those partitions), about 500 a node at 30,000 shards over 64 nodes."""
 
-    def __init__(self, index: DatasetIndex, order: np.ndarray, rank_slice: RankSlice):
-        positions = rank_slice.node_positions()
-        shards = index.shard[order[positions % len(order)]]
-        by_shard = np.lexsort((positions, shards))
-        self.positions, self.shards = positions[by_shard], shards[by_shard]
+    def __init__(self, index: DatasetIndex, spec: LoaderSpec, epoch: int, rank_slice: RankSlice):
+        parts = np.unique(np.concatenate([rank_slice.partitions_read(r) for r in rank_slice.node_ranks()]))
+        self.uses = shard_uses(index.shard_samples, spec.seed, epoch, spec.shuffle_window, rank_slice.partitions, parts)
+        self.shards = sorted(self.uses)
 
     def next_use(self, shard: int | None, position: int) -> float:
         if shard is None:
-            return NEVER  # not a shard of this dataset (left by an earlier run)
-        lo, hi = np.searchsorted(self.shards, [shard, shard + 1])
-        at = lo + np.searchsorted(self.positions[lo:hi], position)
-        return float(self.positions[at]) if at < hi else NEVER
+            return NEVER  # not a shard this node reads this epoch (another's, or left by an earlier run)
+        ahead = [max(first, position) for first, last in self.uses.get(shard, ()) if last >= position]
+        return float(min(ahead)) if ahead else NEVER
 
 
 def image_size(data: bytes, max_pixels: int) -> tuple[int, int] | None:
@@ -216,23 +215,24 @@ def image_size(data: bytes, max_pixels: int) -> tuple[int, int] | None:
         return None
 
 
-def make_batch(index: DatasetIndex, reader: SampleReader, order: np.ndarray, rank_slice: RankSlice,
-               batch: int, spec: LoaderSpec, epoch: int) -> RawBatch:
-    positions = rank_slice.positions(batch)
-    sample_ids = order[positions % len(order)]
-    regions, reads = reader.read(sample_ids, int(positions[0]))
+def make_batch(index: DatasetIndex, reader: SampleReader, located: tuple[np.ndarray, np.ndarray],
+               positions: np.ndarray, spec: LoaderSpec, epoch: int) -> RawBatch:
+    """One batch: the samples at `positions` of the epoch, found at `located` (shard, row each)."""
+    shards, rows = located
+    regions, reads = reader.read(shards, rows, int(positions[0]))
     images, labels, keys, label_texts = [], np.empty(len(regions), np.int64), [], []
-    for i, (sample, region) in enumerate(zip(sample_ids, regions)):
-        at, n = int(index.image_at[sample]), int(index.image_len[sample])
+    for i, (shard, row, region) in enumerate(zip(shards.tolist(), rows.tolist(), regions)):
+        samples = index.samples(shard)
+        at, n = int(samples.image_at[row]), int(samples.image_len[row])
         images.append(region[at:at + n])
-        label_at = int(index.label_at[sample])
-        label_text = region[label_at:label_at + int(index.label_len[sample])]
+        label_at = int(samples.label_at[row])
+        label_text = region[label_at:label_at + int(samples.label_len[row])]
         labels[i] = int(label_text) if index.labelled and label_text.strip().isdigit() else IGNORE_LABEL
         label_texts.append(label_text)
-        keys.append(index.keys[sample])
+        keys.append(index.key(shard, row))
     real = np.ones(len(regions), bool)
     if not spec.train:
-        real[positions >= len(order)] = False  # eval padding must not count twice
+        real[positions >= len(index)] = False  # eval padding must not count twice
         labels[~real] = IGNORE_LABEL
     sizes = [image_size(data, index.max_pixels) for data in images]
     widths = np.array([s[0] if s else BLANK_SIDE for s in sizes], np.int64)
@@ -244,22 +244,32 @@ def make_batch(index: DatasetIndex, reader: SampleReader, order: np.ndarray, ran
     for i, size in enumerate(sizes):
         if size is None:
             raw.replace(i, f"not an intact image (bad markers or header) or over {index.max_pixels} pixels")
-        elif index.labelled and raw.labels[i] == IGNORE_LABEL and positions[i] < len(order):
+        elif index.labelled and raw.labels[i] == IGNORE_LABEL and positions[i] < len(index):
             log.warning("sample %s: label %r is not a class id; it is ignored (label -1)", keys[i], label_texts[i])
             raw.bad.append(keys[i])
     return raw
 
 
+def rank_order(index: DatasetIndex, spec: LoaderSpec, epoch: int, rank_slice: RankSlice) -> EpochOrder:
+    """The epoch's order at this rank's positions, with the index of the shards they read loaded:
+    made once per rank and epoch (a backend's workers share it), from the rank's partitions alone."""
+    order = EpochOrder(index.shard_samples, spec.seed, epoch, spec.shuffle_window, rank_slice.partitions,
+                       rank_slice.partitions_read())
+    index.load(order.shards())
+    return order
+
+
 def raw_batches(index: DatasetIndex, spec: LoaderSpec, epoch: int, rank_slice: RankSlice,
-                batches: Iterable[int]) -> Iterator[RawBatch]:
-    """The given batches of one rank's epoch, in that order, read with one reader."""
-    order = epoch_order(index.shard, spec.seed, epoch, spec.shuffle_window, rank_slice.partitions)
+                batches: Iterable[int], order: EpochOrder | None = None) -> Iterator[RawBatch]:
+    """The given batches of one rank's epoch, in that order, read with one reader; `order`: the
+    rank's rank_order, when the caller made it already."""
+    order = order or rank_order(index, spec, epoch, rank_slice)
     batches = list(batches)
-    plan = [order[rank_slice.positions(b) % len(order)] for b in batches]
+    plan = [order.at(rank_slice.positions(b)) for b in batches]
     cache = future = None
     if any(is_remote(u) for u in index.shard_urls):
         cache = cache_spec(spec, rank_slice.rank // rank_slice.ranks_per_node)
-        future = NodeFuture(index, order, rank_slice)
+        future = NodeFuture(index, spec, epoch, rank_slice)
     with SampleReader(index, plan, cache, future) as reader:
-        for batch in batches:
-            yield make_batch(index, reader, order, rank_slice, batch, spec, epoch)
+        for batch, located in zip(batches, plan):
+            yield make_batch(index, reader, located, rank_slice.positions(batch), spec, epoch)

@@ -19,8 +19,8 @@ from PIL import Image
 from . import randaugment
 from .ahead import copy_ahead, read_ahead
 from .index import DatasetIndex
-from .order import RankSlice
-from .reader import RawBatch, raw_batches
+from .order import EpochOrder, RankSlice
+from .reader import RawBatch, rank_order, raw_batches
 from .spec import LoaderSpec
 
 
@@ -79,13 +79,15 @@ class _Batches(torch.utils.data.IterableDataset):
                  normalise_here: bool):
         self.index, self.spec, self.epoch, self.rank_slice = index, spec, epoch, rank_slice
         self.normalise_here = normalise_here
+        # Once per rank, before the workers start: they inherit it, and the index of its shards.
+        self.order: EpochOrder = rank_order(index, spec, epoch, rank_slice)
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
         mine = range(worker, self.rank_slice.num_batches, workers)
         normalise = Normalise(self.spec, torch.device("cpu")) if self.normalise_here else None
-        for raw in raw_batches(self.index, self.spec, self.epoch, self.rank_slice, mine):
+        for raw in raw_batches(self.index, self.spec, self.epoch, self.rank_slice, mine, self.order):
             batch = decode_batch(raw, self.spec.image_size, self.spec.randaugment[1] if self.spec.randaugment else 0)
             if normalise is not None:
                 batch["image"] = normalise(batch["image"])

@@ -1,4 +1,4 @@
-"""The sharder's main loop: plan, then pack each shard this part owns, then merge.
+"""The sharder's main loop: plan (one task per job), then pack each shard this part owns, then merge.
 
 A shard exists only once its record (`_work/shards/NAME.json`) is written, and that happens after
 the tar and its index are in place, so a run killed at any instant leaves either a complete shard
@@ -14,20 +14,28 @@ import json
 import logging
 import os
 import shlex
+import socket
+import threading
+import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
-from vitforge.core import Progress, StorageError, UsageError, open_store
+from vitforge.core import PreconditionFailed, Progress, StorageError, UsageError, open_store, process_alive
 
 from .images import ImageOptions, Rejected, normalise
-from .manifest import HISTOGRAMS, PLAN_NAME, RECORDS_DIR, ManifestError, labelled, merge, record_name, shard_name
+from .manifest import HISTOGRAMS, RECORDS_DIR, ManifestError, labelled, merge, record_name, shard_name
 from .parallel import ordered_map
-from .plan import Plan, PlanItem, fingerprint, make_plan
+from .plan import (HEADER_NAME, LEGACY_PLAN_NAME, PLAN_DIR, Inputs, PlanHeader, PlanItem, fingerprint, load_slice,
+                   plan_inputs, read_header, write_plan)
 from .sources import display_path, list_corpus, load_class_names, read_source
 from .tarfile_writer import TarShardWriter, index_path_for
 
 log = logging.getLogger("vitforge.shard")
+
+CLAIM_NAME = f"{PLAN_DIR}/claim.json"  # exists while one task of the job lists and plans
+CLAIM_STALE_S = 300.0  # a claim not renewed for this long is taken over
+PLAN_POLL_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -49,6 +57,7 @@ class ShardJob:
     workers: int = 1
     num_parts: int = 1
     part: int = 0
+    plan_wait_s: float = 24 * 3600  # how long a task waits for another task's plan
 
     def __post_init__(self):
         if not self.prefix or any(c in self.prefix for c in "./ "):
@@ -61,6 +70,8 @@ class ShardJob:
             raise UsageError("--classes and --no-labels contradict each other")
         if self.workers < 1:
             raise UsageError(f"--workers must be >= 1, not {self.workers}")
+        if not self.plan_wait_s > 0:
+            raise UsageError(f"--plan-wait must be > 0 seconds, not {self.plan_wait_s}")
 
     def output_parameters(self) -> dict:
         """Everything that shapes the output bytes, and nothing else (not workers, not part)."""
@@ -105,67 +116,158 @@ def command_line(parameters: dict) -> str:
 def merge_parts(dest: str) -> dict:
     """`vitforge shard merge`: combine the records of every part into dataset.json."""
     store = open_store(dest)
-    if not store.exists(PLAN_NAME):
-        raise ManifestError(f"{store.url(PLAN_NAME)}: no shard plan; run `vitforge shard` into {dest} first")
-    plan = Plan.from_bytes(store.get_bytes(PLAN_NAME))
-    manifest = merge(store, plan, command_line(plan.parameters))
+    header = read_header(store)
+    if header is None:
+        raise ManifestError(f"{store.url(HEADER_NAME)}: no shard plan; run `vitforge shard` into {dest} first")
+    manifest = merge(store, header, command_line(header.parameters))
     store.finish()
     return manifest
 
 
 def run(job: ShardJob) -> PartResult:
     store = open_store(job.dest)
-    plan = _load_or_make_plan(job, store)
-    owned = plan.shard_range(job.part, job.num_parts)
+    header = ensure_plan(job, store)
+    owned = header.shard_range(job.part, job.num_parts)
     names = {i: shard_name(job.prefix, i) for i in owned}
     done = set(store.list(RECORDS_DIR))
     todo = [i for i in owned if record_name(names[i]) not in done]
     log.info("part %d/%d owns shards %d..%d: %d done, %d to build (%d inputs, %d shards in all)",
              job.part, job.num_parts, owned.start, owned.stop - 1, len(owned) - len(todo), len(todo),
-             plan.inputs, len(plan.shards))
+             header.inputs, header.shards)
     store.discard_stale_temporaries(set(names.values()))
-    _build_shards(job, plan, store, todo, names)
+    if todo:
+        shards = load_slice(store, header, job.part, job.num_parts)
+        _build_shards(job, [shards[i] for i in todo], tuple(header.classes), store, [names[i] for i in todo])
     manifest = None
-    if len(set(store.list(RECORDS_DIR))) >= len(plan.shards):
-        manifest = merge(store, plan, command_line(plan.parameters))
+    if len(set(store.list(RECORDS_DIR))) >= header.shards:
+        manifest = merge(store, header, command_line(header.parameters))
     store.finish()
     return PartResult(len(todo), len(owned) - len(todo), len(owned), manifest)
 
 
-def _load_or_make_plan(job: ShardJob, store) -> Plan:
-    wanted = fingerprint(job.output_parameters())
-    if store.exists(PLAN_NAME):
-        plan = Plan.from_bytes(store.get_bytes(PLAN_NAME))
-        if plan.fingerprint != wanted:
-            changed = sorted(k for k, v in job.output_parameters().items() if plan.parameters.get(k) != v)
-            raise UsageError(f"{job.dest} already holds shards made with other parameters "
-                             f"({', '.join(changed)} differ); use a new destination")
-        return plan
+def ensure_plan(job: ShardJob, store=None) -> PlanHeader:
+    """The plan's header: read, or made by this task when no other task of the job is making it
+    (the submit step may call this first, so that no array task lists the corpus).
+
+    The first task to create the claim object (a create-only write: S3 If-None-Match, a lock file
+    locally) lists and plans; the others poll for the header. A claim whose writer died (its pid
+    gone on this host, or no heartbeat for CLAIM_STALE_S) is taken over, so a crashed planner
+    delays the job, never blocks it; past `job.plan_wait_s` a waiting task stops with an error."""
+    store = store or open_store(job.dest)
+    deadline = time.monotonic() + job.plan_wait_s
+    seen: tuple[str, float] | None = None  # (claim version, when this task first saw it)
+    while True:
+        header = read_header(store)
+        if header is not None:
+            return _checked(job, header)
+        if store.exists(LEGACY_PLAN_NAME):
+            raise UsageError(f"{job.dest} was started by an older vitforge (it holds {LEGACY_PLAN_NAME}): finish it "
+                             "with that version, or shard into a new destination")
+        claim = store.get_versioned(CLAIM_NAME)
+        version = claim[1] if claim else None
+        if seen is None or seen[0] != version:
+            seen = (version, time.monotonic())
+        if claim is None or _claim_dead(claim[0], time.monotonic() - seen[1]):
+            try:
+                version = store.put_if(CLAIM_NAME, _claim_bytes(job, 0), version)
+            except PreconditionFailed:
+                continue  # another task claimed it first
+            return _plan_claimed(job, store, version)
+        if time.monotonic() > deadline:
+            holder = json.loads(claim[0])
+            raise UsageError(f"{job.dest}: waited {job.plan_wait_s:.0f} s for the shard plan that part "
+                             f"{holder.get('part')} (host {holder.get('host')}, pid {holder.get('pid')}) is making; "
+                             f"it still runs (its claim {store.url(CLAIM_NAME)} is renewed): raise --plan-wait")
+        time.sleep(min(PLAN_POLL_S, max(0.0, deadline - time.monotonic())))
+
+
+def _plan_claimed(job: ShardJob, store, version: str) -> PlanHeader:
+    header = read_header(store)  # the previous holder may have finished between our reads
+    if header is None:
+        with _heartbeat(job, store, version):
+            header = _make_plan(job, store)
+    # A local store's compare-and-swap leaves a lock file beside the claim; the plan needs neither now.
+    store.delete([CLAIM_NAME, f"{CLAIM_NAME}.lock"])
+    return _checked(job, header)
+
+
+def _checked(job: ShardJob, header: PlanHeader) -> PlanHeader:
+    if header.fingerprint != fingerprint(job.output_parameters()):
+        changed = sorted(k for k, v in job.output_parameters().items() if header.parameters.get(k) != v)
+        raise UsageError(f"{job.dest} already holds shards made with other parameters "
+                         f"({', '.join(changed)} differ); use a new destination")
+    return header
+
+
+def _make_plan(job: ShardJob, store) -> PlanHeader:
+    started = time.monotonic()
     classes = load_class_names(job.classes_file) if job.classes_file else None
     corpus = list_corpus(job.src, classes=classes, path_column=job.path_column, label_column=job.label_column,
                          root=job.root, labelled=job.labels, follow_symlinks=job.follow_symlinks)
-    plan = make_plan(corpus, job.output_parameters(), seed=job.seed, shard_bytes=job.shard_bytes,
-                     shard_samples=job.shard_samples, dedup=job.dedup)
-    # Every part of a job array computes the same plan, so concurrent writers store identical bytes.
-    store.put_bytes(PLAN_NAME, plan.to_bytes())
-    return plan
+    inputs = Inputs.of(corpus.records, job.seed)  # records stream into the columns, none is kept
+    plan = plan_inputs(inputs, corpus.classes, job.output_parameters(), shard_bytes=job.shard_bytes,
+                       shard_samples=job.shard_samples, dedup=job.dedup)
+    header = write_plan(store, plan, job.num_parts)
+    log.info("planned %d inputs into %d shards in %d slices (%.1f s)", header.inputs, header.shards,
+             header.parts, time.monotonic() - started)
+    return header
 
 
-def _build_shards(job: ShardJob, plan: Plan, store, todo: list[int], names: dict[int, str]) -> None:
-    items = [item for i in todo for item in plan.shards[i]]
+def _claim_bytes(job: ShardJob, beat: int) -> bytes:
+    return json.dumps({"part": job.part, "host": socket.gethostname(), "pid": os.getpid(), "beat": beat}).encode()
+
+
+def _claim_dead(data: bytes, unchanged_s: float) -> bool:
+    """Judged by this task's own clock (no clock is shared between nodes): the claim has not been
+    renewed for CLAIM_STALE_S, or its writer was on this host and is gone."""
+    holder = json.loads(data)
+    if holder.get("host") == socket.gethostname() and not process_alive(int(holder.get("pid", 0))):
+        return True
+    return unchanged_s > CLAIM_STALE_S
+
+
+@contextlib.contextmanager
+def _heartbeat(job: ShardJob, store, version: str):
+    """Renew the claim every CLAIM_STALE_S / 4 while planning, so waiting tasks see it is alive."""
+    stop = threading.Event()
+
+    def beat():
+        current, beats = version, 0
+        while not stop.wait(CLAIM_STALE_S / 4):
+            beats += 1
+            try:
+                current = store.put_if(CLAIM_NAME, _claim_bytes(job, beats), current)
+            except PreconditionFailed:
+                log.warning("another task took over planning (this one was thought dead); both write the same plan")
+                return
+            except StorageError as e:
+                log.warning("could not renew the planning claim: %s", e)
+
+    thread = threading.Thread(target=beat, name="plan-claim", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _build_shards(job: ShardJob, shards: list[list[PlanItem]], classes: tuple[str, ...], store,
+                  names: list[str]) -> None:
+    items = [item for shard in shards for item in shard]
     progress = Progress(len(items), "shard")
-    process = functools.partial(_process_item, opts=job.image, classes=tuple(plan.classes))
+    process = functools.partial(_process_item, opts=job.image, classes=classes)
     # Packing without validation is file reads and hashing, which threads overlap well.
     results = ordered_map(process, items, job.workers, threads=not job.image.validate)
     # One publisher thread syncs and uploads shard N while shard N+1 is packed; at most one waits.
     publisher = ThreadPoolExecutor(1, thread_name_prefix="publish")
     published = None
     try:
-        for i in todo:
-            staged = _pack_shard(store.temp_path(names[i]), (next(results) for _ in plan.shards[i]), progress)
+        for name, shard in zip(names, shards):
+            staged = _pack_shard(store.temp_path(name), (next(results) for _ in shard), progress)
             if published is not None:
                 published.result()
-            published = publisher.submit(_publish_shard, store, names[i], staged)
+            published = publisher.submit(_publish_shard, store, name, staged)
         if published is not None:
             published.result()
     finally:

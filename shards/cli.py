@@ -8,7 +8,7 @@ import os
 import re
 
 from vitforge.core import setup_logging
-from vitforge.core.cli_args import bounded, non_negative_int, positive_int
+from vitforge.core.cli_args import bounded, non_negative_int, positive_float, positive_int
 from vitforge.core.errors import CHECK_FAILED
 
 from .build import ShardJob, merge_parts, run
@@ -89,7 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
     run_group.add_argument("--num-parts", type=positive_int, default=1,
                            help="split the shards into P parts (one per job-array task); merge afterwards")
     run_group.add_argument("--part", type=non_negative_int, default=None,
-                           help="which part this process builds (default: $SLURM_ARRAY_TASK_ID - $SLURM_ARRAY_TASK_MIN)")
+                           help="which part this process builds "
+                                "(default: $SLURM_ARRAY_TASK_ID - $SLURM_ARRAY_TASK_MIN)")
+    run_group.add_argument("--plan-wait", type=positive_float, default=24 * 3600, metavar="SECONDS",
+                           help="one task of a job lists and plans while the others wait for its plan; give up "
+                                "waiting after this long (default 86400); a planner that died is taken over")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return p
 
@@ -140,6 +144,7 @@ def _shard(args: argparse.Namespace) -> int:
         label_column=args.label_column, root=args.root, labels=args.labels,
         follow_symlinks=args.follow_symlinks, workers=args.workers,
         num_parts=args.num_parts, part=_part_from_env() if args.part is None else args.part,
+        plan_wait_s=args.plan_wait,
     )
     result = run(job)
     print(f"part {job.part + 1} of {job.num_parts}: built {result.shards_built} shards, "

@@ -4,17 +4,22 @@ Layout of a destination:
     PREFIX-000000.tar, PREFIX-000000.idx, ...   the shards and their DALI indexes
     dataset.json                                written last; a reader trusts nothing else
     rejects.jsonl, duplicates.jsonl             what was left out, with the source and the reason
-    _work/plan.json.gz                          the shard plan every part shares
+    _work/plan/header.json                      the shard plan's header (written last: its commit mark)
+    _work/plan/part-00000.jsonl.gz, ...         the plan's items, one slice per part of the job
+    _work/plan/duplicates.jsonl.gz              the duplicates --dedup found
+    _work/plan/claim.json                       which task plans (only while it plans)
     _work/shards/PREFIX-000000.tar.json         one record per finished shard (its commit mark)
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections import Counter
 
 from vitforge.core import UsageError, __version__
-from .plan import Plan
+from .parallel import ordered_map
+from .plan import DUPLICATES_PLAN, PlanHeader
 from .sources import display_path
 
 FORMAT = "vitforge.shards"
@@ -22,7 +27,6 @@ FORMAT_VERSION = 1
 MANIFEST_NAME = "dataset.json"
 REJECTS_NAME = "rejects.jsonl"
 DUPLICATES_NAME = "duplicates.jsonl"
-PLAN_NAME = "_work/plan.json.gz"
 RECORDS_DIR = "_work/shards"
 HISTOGRAMS = ("image_bytes", "short_side")
 
@@ -39,28 +43,33 @@ def record_name(shard: str) -> str:
     return f"{RECORDS_DIR}/{shard}.json"
 
 
-def merge(store, plan: Plan, command: str) -> dict:
-    """Combine every shard record into dataset.json (written last), rejects.jsonl, duplicates.jsonl."""
-    names = [shard_name(plan.parameters["prefix"], i) for i in range(len(plan.shards))]
+def merge(store, plan: PlanHeader, command: str, threads: int = 16) -> dict:
+    """Combine every shard record into dataset.json (written last), rejects.jsonl, duplicates.jsonl.
+    Records are read `threads` at a time (each read retried by the store), summed as they come."""
+    names = [shard_name(plan.parameters["prefix"], i) for i in range(plan.shards)]
     present = set(store.list(RECORDS_DIR))
     missing = [n for n in names if record_name(n) not in present]
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ManifestError(f"{len(missing)} of {len(names)} shards are not finished yet: {shown}")
-    records = [json.loads(store.get_bytes(record_name(n))) for n in names]
-    rejects = [r for record in records for r in record["rejects"]]
+    rejects: list[dict] = []
+    shards: list[dict] = []
     class_counts: Counter = Counter()
     normalised: Counter = Counter()
     histograms = {name: Counter() for name in HISTOGRAMS}
-    for record in records:
+    read = ordered_map(lambda n: json.loads(store.get_bytes(record_name(n))), names, threads, chunk_size=1,
+                       window_per_worker=2, threads=True)
+    for record in read:
+        rejects += record["rejects"]
         class_counts.update({int(k): v for k, v in record["class_counts"].items()})
         normalised.update(record["normalised"])
         for name, counter in histograms.items():
             counter.update({int(k): v for k, v in record[name].items()})
-    samples = sum(r["samples"] for r in records)
+        shards.append({k: record[k] for k in ("name", "index", "samples", "bytes", "sha256", "index_sha256")})
+    samples = sum(r["samples"] for r in shards)
     totals = {
         "inputs": plan.inputs, "samples": samples, "rejected": len(rejects),
-        "duplicates": len(plan.duplicates), "bytes": sum(r["bytes"] for r in records), "shards": len(records),
+        "duplicates": plan.duplicates, "bytes": sum(r["bytes"] for r in shards), "shards": len(shards),
     }
     if totals["inputs"] != samples + totals["rejected"] + totals["duplicates"]:
         raise ManifestError(f"accounting does not add up: {totals}")
@@ -75,13 +84,13 @@ def merge(store, plan: Plan, command: str) -> dict:
         "normalised": dict(sorted(normalised.items())),
         # Samples per power-of-two band: key 65536 counts images of 64-128 KiB (0 when not validated).
         "histograms": {name: {str(k): v for k, v in sorted(c.items())} for name, c in histograms.items()},
-        "shards": [{k: r[k] for k in ("name", "index", "samples", "bytes", "sha256", "index_sha256")}
-                   for r in records],
+        "shards": shards,
     }
     store.put_bytes(REJECTS_NAME, _jsonl(rejects))
+    duplicates = [json.loads(line) for line in gzip.decompress(store.get_bytes(DUPLICATES_PLAN)).splitlines()]
     store.put_bytes(DUPLICATES_NAME, _jsonl(
         [{**d, "source": display_path(d["source"]), "duplicate_of": display_path(d["duplicate_of"])}
-         for d in plan.duplicates]))
+         for d in duplicates]))
     store.put_bytes(MANIFEST_NAME, json.dumps(manifest, indent=1, sort_keys=True).encode() + b"\n")
     return manifest
 

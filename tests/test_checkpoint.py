@@ -326,6 +326,20 @@ def test_unreachable_store_fails_fast_naming_the_url(data):
     assert SECRET not in result.stdout + result.stderr
 
 
+def test_a_node_fetches_only_the_universal_files_its_ranks_read():
+    from vitforge.trainer.checkpoint import universal_files
+
+    files = dict.fromkeys(f"universal/{name}" for name in (
+        "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt",
+        "zero_pp_rank_1_mp_rank_00_model_states.pt", "zero/optimizer_state.pt", "zero/a.weight/fp32.pt",
+        "zero/a.weight/exp_avg.pt", "zero/b.bias/fp32.pt", "zero/b.bias/step.pt"))
+    shared = ["universal/mp_rank_00_model_states.pt", "universal/zero/optimizer_state.pt",
+              "universal/zero_pp_rank_0_mp_rank_00_model_states.pt"]  # DeepSpeed never opens rank 1's copy
+    assert universal_files(files, {"a.weight"}) == sorted(shared + ["universal/zero/a.weight/exp_avg.pt",
+                                                                    "universal/zero/a.weight/fp32.pt"])
+    assert universal_files(files, None) == sorted(set(files) - {"universal/zero_pp_rank_1_mp_rank_00_model_states.pt"})
+
+
 def test_denials_are_not_retried_and_throttling_is():
     from botocore.exceptions import ClientError
 
@@ -354,7 +368,8 @@ def test_denials_are_not_retried_and_throttling_is():
 
 def test_resume_from_s3_at_another_world_size(data, s3_server, bucket, monkeypatch, tmp_path):
     """Saved by 2 ranks to s3://, resumed by 1: every file is fetched and checked, converted with
-    ds_to_universal in staging (never in the store), and training continues to the same end."""
+    ds_to_universal in staging, the result published beside the checkpoint (its marker last) for
+    any later resume at another world size, and training continues to the same end."""
     store, logs = f"s3://{bucket}/runs", tmp_path / "logs"
     common = [*COMMON, f"checkpoint.log_dir={logs}"]
     train(data, "s3ws", *common, "train.stop_at=12", store=store, env=s3_server["env"])
@@ -362,7 +377,11 @@ def test_resume_from_s3_at_another_world_size(data, s3_server, bucket, monkeypat
     assert "to a universal checkpoint" in moved.stderr and "at step 12" in moved.stderr
     assert sorted(losses(logs)) == list(range(1, 25))
     keys = {o["Key"] for o in s3_server["client"].list_objects_v2(Bucket=bucket, Prefix="runs/s3ws/")["Contents"]}
-    assert not [k for k in keys if "universal" in k]
+    marker = json.loads(s3_server["client"].get_object(Bucket=bucket, Key="runs/s3ws/step_00000012/universal.json")
+                        ["Body"].read())
+    assert {f"runs/s3ws/step_00000012/{name}" for name in marker["files"]} == \
+        {k for k in keys if "universal/" in k} and "runs/s3ws/step_00000012/universal/zero/optimizer_state.pt" in keys
+    assert {k.split("/")[2] for k in keys if "universal" in k} == {"step_00000012"}  # saved at 1: nothing to convert
     for key, value in s3_server["env"].items():
         monkeypatch.setenv(key, value)
     assert json.loads(s3_server["client"].get_object(Bucket=bucket, Key="runs/s3ws/step_00000024/manifest.json")

@@ -423,17 +423,34 @@ def test_resume_right_after_a_deep_prefetch_is_exact_at_two_ranks_and_at_three(d
     assert set(head_keys).isdisjoint(other) and set(head_keys) | set(other) == full
 
 
-def test_subsets_are_nested_deterministic_and_sized(dataset):
-    from vitforge.pipeline.order import subset_ids
+def subset_ids(counts, size, seed):
+    """The global sample ids of a subset of shards holding `counts` samples."""
+    from vitforge.pipeline.order import subset_counts, subset_rows
 
-    small, large = subset_ids(1000, 0.1, 3), subset_ids(1000, 0.3, 3)
+    offsets = np.cumsum(counts) - counts
+    quota = subset_counts(np.asarray(counts), size, seed)
+    return np.concatenate([offsets[s] + subset_rows(np.asarray(counts), s, int(quota[s]), seed)
+                           for s in range(len(counts))])
+
+
+def test_subsets_are_nested_deterministic_and_sized(dataset):
+    counts = [300, 250, 7, 0, 443]
+    small, large = subset_ids(counts, 0.1, 3), subset_ids(counts, 0.3, 3)
     assert len(small) == 100 and len(large) == 300 and set(small) <= set(large)
-    assert np.array_equal(small, subset_ids(1000, 0.1, 3)) and not np.array_equal(small, subset_ids(1000, 0.1, 4))
-    assert np.array_equal(subset_ids(1000, 100, 3), small) and len(subset_ids(1000, 1.0, 3)) == 1000
-    assert set(subset_ids(1000, 7, 3)) <= set(small)
+    assert np.array_equal(small, subset_ids(counts, 0.1, 3)) and not np.array_equal(small, subset_ids(counts, 0.1, 4))
+    assert np.array_equal(subset_ids(counts, 100, 3), small) and len(subset_ids(counts, 1.0, 3)) == 1000
+    assert set(subset_ids(counts, 7, 3)) <= set(small)
+    for size in range(1, 1001 - 37, 37):  # nested; each shard keeps at least its share, rounded down
+        assert set(subset_ids(counts, size, 3)) <= set(subset_ids(counts, size + 37, 3))
+        per_shard = np.bincount(np.searchsorted(np.cumsum(counts), subset_ids(counts, size, 3), side="right"),
+                                minlength=5)
+        assert np.all(per_shard >= np.array(counts) * size // 1000), (size, per_shard)
+        equal = np.bincount(np.searchsorted(np.arange(100, 1001, 100), subset_ids([100] * 10, size, 3),
+                                            side="right"), minlength=10)
+        assert equal.max() - equal.min() <= 1, equal  # equal shards: equal shares, within one
     for bad in (1001, 0.0004):
         with pytest.raises(ValueError, match="give a fraction in"):
-            subset_ids(1000, bad, 3)
+            subset_ids(counts, bad, 3)
     keys = {f: {k for b in build_loader(spec(dataset, backend="torch", subset=f)) for k in b["key"]}
             for f in (0.25, 0.5)}
     assert len(keys[0.25]) == 30 and len(keys[0.5]) == 60 and keys[0.25] < keys[0.5]
@@ -496,11 +513,17 @@ def test_nodes_fetch_disjoint_shards_once_each_and_deliver_what_a_local_run_does
         monkeypatch.setenv(key, value)
     try:
         loaders = node_ranks(remote, world, per_node, tmp_path / "cache")
-        # Each rank reads dataset.json; one rank per node fetches the 6 shard indexes for the node.
+        # Each rank reads dataset.json, and no index file before its first epoch.
         paths = Counter(path.rsplit(".", 1)[1] for _, path in counting.requests)
-        assert paths == {"json": world, "idx": 6 * (world // per_node)}
-        counting.requests.clear()  # from here on, the loaders' reads only
+        assert paths == {"json": world}
+        counting.requests.clear()
         got = run_ranks(loaders)
+        # Each rank fetched the index files of the shards its partition reads, and no other.
+        indexes = Counter(path.rsplit("/", 1)[1].removesuffix(".idx") for _, path in counting.requests
+                          if path.endswith(".idx"))
+        read = Counter(shard for r in range(world)
+                       for shard in {k.split(":")[0].removesuffix(".tar") for keys, _ in got[r][0][0] for k in keys})
+        assert indexes == read and len(indexes) == 6
     finally:
         proxy.shutdown()
     expected = run_ranks(node_ranks(local, world, per_node, tmp_path / "unused"))
@@ -524,9 +547,10 @@ def test_nodes_fetch_disjoint_shards_once_each_and_deliver_what_a_local_run_does
         # One copy of the dataset per epoch whatever the node count; only a shard cut by the
         # boundary between two nodes' partitions is fetched by both.
         assert fetched <= (sum(shard_bytes.values()) + (nodes - 1) * max(shard_bytes.values()) if epoch == 0 else 0)
-    gets = [path for method, path in counting.requests if method == "GET"]
-    assert len(gets) == len(counting.requests) == sum(got[r][0][1]["requests"] for r in range(world))
-    assert 1000 * len(gets) / 600 < 20  # GETs per 1,000 images
+    gets = [path for method, path in counting.requests if method == "GET" and not path.endswith(".idx")]
+    assert len(gets) == len(counting.requests) - sum(indexes.values()) == sum(got[r][0][1]["requests"]
+                                                                              for r in range(world))
+    assert 1000 * (len(gets) + sum(indexes.values())) / 600 < 30  # GETs per 1,000 images, index files too
 
 
 def test_injected_503s_and_resets_are_survived(wide_bucket, faulty, monkeypatch, tmp_path):
@@ -549,7 +573,6 @@ def test_a_full_cache_removes_what_the_order_needs_last_and_a_dead_fetch_leaves_
     """A cache of about three shards for a node reading all six, shard by shard (a small shuffle
     window): finished shards make room, none is fetched twice in an epoch, the limit holds."""
     from vitforge.pipeline.cache import cache_spec, shard_file_name
-    from vitforge.pipeline.reader import shard_lengths
 
     local, remote = wide_bucket
     counting = FaultSchedule(0, 0, 0)
@@ -562,7 +585,7 @@ def test_a_full_cache_removes_what_the_order_needs_last_and_a_dead_fetch_leaves_
     folder = cache_spec(loaders[0].spec, 0).folder
     os.makedirs(folder)
     index = loaders[0].index
-    name = shard_file_name(index.shard_urls[0], int(shard_lengths(index)[0]), index.shard_sha256[0])
+    name = shard_file_name(index.shard_urls[0], index.shard_bytes[0], index.shard_sha256[0])
     stale = os.path.join(folder, name + ".partial")
     Path(stale).write_bytes(b"half a shard from a fetch that was killed")
     got, fetched = [[], []], []
@@ -571,7 +594,7 @@ def test_a_full_cache_removes_what_the_order_needs_last_and_a_dead_fetch_leaves_
             counting.requests.clear()
             for rank, result in enumerate(run_ranks(loaders, epochs=1)):
                 got[rank] += result
-            fetched.append(Counter(path for _, path in counting.requests))
+            fetched.append(Counter(path for _, path in counting.requests if path.endswith(".tar")))
     finally:
         proxy.shutdown()
     want = run_ranks(node_ranks(local, 2, 2, tmp_path / "unused", **options))

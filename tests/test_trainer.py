@@ -113,12 +113,17 @@ def test_zero_stages_learn(data, stage):
             set(events.Tags()["scalars"])
 
 
+def trained_run(data, stage: int) -> str:
+    """A finished 6-step run of ZeRO-`stage` on 2 ranks (no eval), made once per test session and
+    shared by the tests that need one: its name under data/runs."""
+    run = f"agree{stage}"
+    if not (data / "runs" / run).exists():
+        train(data, run, f"train.zero_stage={stage}", "train.steps=6", "train.log_every=1", "data.val=null")
+    return run
+
+
 def test_stages_agree_and_match_plain_pytorch(data):
-    for stage in (1, 2, 3):
-        if not (data / "runs" / f"agree{stage}").exists():
-            train(data, f"agree{stage}", f"train.zero_stage={stage}", "train.steps=6", "train.log_every=1",
-                  "data.val=null")
-    one, two, three = (losses(data, f"agree{s}") for s in (1, 2, 3))
+    one, two, three = (losses(data, trained_run(data, s)) for s in (1, 2, 3))
     assert one == two  # ZeRO-1 and ZeRO-2 compute the same thing, bit for bit on CPU
     assert all(abs(one[s] - three[s]) < 1e-4 for s in one), (one, three)
     reference = _plain_pytorch_losses(data, steps=6)

@@ -9,7 +9,9 @@ upload is in flight per rank: the next save waits for it (and says how long).
 Restore (collective): rank 0 picks candidates (newest complete first); each node fetches the files
 its ranks need and checks their sha256 BEFORE anything unpickles them; if any rank finds a
 problem, all ranks fall back to the previous checkpoint together, saying why. A checkpoint saved
-at another world size is converted with DeepSpeed's universal checkpoint tool in node-local staging.
+at another world size is converted once for the job (rank 0, DeepSpeed's ds_to_universal, in its
+node-local staging) and published beside it in the store, where every later resume at any world
+size finds it; each node then fetches only the universal files its ranks read (_fetch_universal).
 """
 
 from __future__ import annotations
@@ -26,17 +28,16 @@ import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from vitforge.core import CheckpointError, StorageError, VitforgeError, __version__, sha256_file
+from vitforge.core import CheckpointError, StorageError, VitforgeError, __version__
 
 from .distributed import agree, all_ok
-from .run_store import LATEST, MANIFEST, MANIFEST_VERSION, METRICS, RECEIPTS, Lease, RunStore, tag_for
+from .run_store import LATEST, MANIFEST, MANIFEST_VERSION, METRICS, RECEIPTS, UNIVERSAL, Lease, RunStore, tag_for
 
 log = logging.getLogger("vitforge.checkpoint")
 RANK_FILE = re.compile(r"(?:zero_pp_rank_|^rank)(\d+)_")
@@ -53,6 +54,35 @@ def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def universal_reads(optimizer) -> set[str] | None:
+    """The parameters whose universal-checkpoint files (zero/NAME/*.pt) this rank's DeepSpeed
+    optimizer opens: under ZeRO-1/2 (and bf16 without ZeRO) only those with a fragment in the rank's
+    partition (`_hp_mapping`), about 1/R of them; None, meaning all, under ZeRO-3 (each rank reads
+    every full tensor and keeps its slice) or any optimizer that does not say. Needs the engine built."""
+    groups = getattr(optimizer, "bit16_groups", None) or getattr(optimizer, "bf16_groups", None)
+    names = getattr(optimizer, "param_names", None)
+    if groups is None or names is None:
+        return None
+    return {names[p] for group in groups for p in group if getattr(p, "_hp_mapping", None) is not None}
+
+
+def universal_files(files: dict, params: set[str] | None) -> list[str]:
+    """Of a published universal checkpoint's files (universal/...), those that ranks reading the
+    parameters `params` (None: all) open: the model-states file DeepSpeed loads (rank 0's under
+    ZeRO-3; the other ranks' copies are never read), zero/optimizer_state.pt, and zero/NAME/* of each
+    parameter read."""
+    keep = []
+    for name in sorted(files):
+        parts = name.split("/")
+        if len(parts) == 2:
+            match = RANK_FILE.search(parts[1])
+            if match is None or int(match.group(1)) == 0:
+                keep.append(name)
+        elif len(parts) == 3 or params is None or parts[2] in params:
+            keep.append(name)
+    return keep
 
 
 def needed_files(names: list[str], ranks: set[int], everything: bool) -> list[str]:
@@ -190,18 +220,7 @@ class Checkpointer:
         self.uploader.wait()
 
     def _upload(self, folder: str, tag: str, manifest: dict, metrics: str | None) -> None:
-        root = os.path.join(folder, tag)
-        names = sorted(os.path.relpath(os.path.join(d, n), root) for d, _, ns in os.walk(root) for n in ns)
-
-        def one(name: str) -> tuple[str, dict]:
-            path = os.path.join(root, name)
-            with ThreadPoolExecutor(1) as hasher:  # hashing overlaps the upload: two reads of the page cache
-                digest = hasher.submit(sha256_file, path)
-                self.run.upload(path, f"{tag}/{name}")
-                return name, {"bytes": os.path.getsize(path), "sha256": digest.result()}
-
-        with ThreadPoolExecutor(4) as pool:
-            files = dict(pool.map(one, names))
+        files = self.run.upload_folder(os.path.join(folder, tag), tag)
         self.run.put_bytes(f"{tag}/{RECEIPTS}/rank{self.rank}.json", json.dumps({"files": files}).encode())
         if self.rank == 0:
             self._finalize(tag, manifest, metrics)
@@ -243,59 +262,123 @@ class Checkpointer:
             nonlocal engine, universal
             manifest = agree(lambda: self.run.manifest(tag))
             resharded = manifest["world_size"] != self.world_size
-            load_dir = self._fetch(tag, manifest, resharded)
-            if resharded != universal:
+            if resharded != universal:  # built first: which universal files a rank reads depends on it
                 engine, universal = engine_for(resharded), resharded
-            return engine, self._load(engine, load_dir, tag, manifest, resharded)
+            load_dir, ds_tag = self._fetch_universal(engine, tag, manifest) if resharded else \
+                (self._fetch(tag, manifest), tag)
+            return engine, self._load(engine, load_dir, ds_tag, tag, manifest, resharded)
 
         return self.run.first_usable(candidates, attempt, explicit=resume not in ("auto", "never"),
                                      advice="; set checkpoint.resume=never to start afresh")
 
-    def _fetch(self, tag: str, manifest: dict, everything: bool) -> str:
-        """Every node's first rank fetches (and checks) the files its ranks need; all agree on the result."""
-        hosts = [None] * self.world_size
-        dist.all_gather_object(hosts, socket.gethostname())
-        mine = socket.gethostname()
-        node_ranks = {r for r, h in enumerate(hosts) if h == mine}
-        leader = min(node_ranks) == self.rank
+    def _node(self) -> tuple[list[int], bool]:
+        """This node's ranks (those sharing this host and staging folder, so its files) and whether
+        this rank is their leader. Gathers one (host, staging path) per rank: R short strings."""
+        mine = (socket.gethostname(), os.path.realpath(self.staging))
+        nodes = [None] * self.world_size
+        dist.all_gather_object(nodes, mine)
+        ranks = [r for r, node in enumerate(nodes) if node == mine]
+        return ranks, ranks[0] == self.rank
+
+    def _fetch(self, tag: str, manifest: dict) -> str:
+        """Every node's first rank fetches (and checks) the files its ranks need; all agree on the result.
+        Returns the folder holding `tag`/."""
+        node_ranks, leader = self._node()
 
         def fetch() -> str:
             if not leader:
                 return ""
             shutil.rmtree(self.download_dir, ignore_errors=True)
-            names = needed_files(sorted(manifest["files"]), node_ranks, everything)
-            return self.run.fetch(tag, names, manifest, self.download_dir)
+            return self._fetch_files(tag, needed_files(sorted(manifest["files"]), set(node_ranks), False), manifest)
 
-        where = all_ok(fetch)
-        load_dir = where[min(node_ranks)]
-        if everything:
-            load_dir = self._to_universal(load_dir, tag, leader)
-        return load_dir
+        return all_ok(fetch)[node_ranks[0]]
 
-    def _to_universal(self, load_dir: str, tag: str, leader: bool) -> str:
-        """DeepSpeed's ds_to_universal, once per node, into staging (never into the store)."""
-        target = os.path.join(self.staging, "universal")
+    def _fetch_files(self, tag: str, names: list[str], listing: dict) -> str:
+        """RunStore.fetch into this node's download folder, saying how much came over the network."""
+        where = self.run.fetch(tag, names, listing, self.download_dir)
+        if self.run.store.local_path("") is None:
+            log.info("fetched %d files, %d bytes of %s to this node (rank %d)", len(names),
+                     sum(listing["files"][n]["bytes"] for n in names), self.run.object_url(tag), self.rank)
+        return where
 
-        def convert() -> str:
-            if leader:
-                shutil.rmtree(target, ignore_errors=True)
-                command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                           os.path.join(load_dir, tag), "--output_folder", os.path.join(target, f"{tag}_universal"),
-                           "--inject_missing_state"]
-                result = subprocess.run(command, capture_output=True, text=True)
-                if result.returncode != 0:
-                    raise CheckpointError(f"ds_to_universal failed on {self.run.object_url(tag)}: "
-                                          f"{result.stderr.strip()[-1000:]}")
-            return target
+    def _fetch_universal(self, engine, tag: str, manifest: dict) -> tuple[str, str]:
+        """A checkpoint saved at another world size, as DeepSpeed's universal checkpoint: converted
+        once for the whole job and shared through the store. Returns (load dir, DeepSpeed tag).
 
-        all_ok(convert)
-        log.info("converted %s (saved at another world size) to a universal checkpoint", self.run.object_url(tag))
+        If `tag`/universal.json exists, the universal checkpoint beside the checkpoint is used as it
+        is. Otherwise rank 0 alone fetches the whole checkpoint, runs ds_to_universal and publishes
+        the result there, its marker last (a job that does not own the run, checkpoint.save=false,
+        may not write it: then every node converts for itself, as before). Each node's leader then
+        fetches only what its ranks read: what DeepSpeed's universal loading opens per rank is the
+        model-states file (under ZeRO-1/2 the whole module in its training dtype, M bytes; under
+        ZeRO-3 rank 0's, small), zero/optimizer_state.pt (small), and under ZeRO-1/2 the fp32,
+        exp_avg and exp_avg_sq files of only the parameters with a fragment in the rank's partition
+        (about 1/R of them, whole tensors), under ZeRO-3 those of every parameter (each rank reads
+        every full tensor and keeps its slice). Per node, with L ranks of R and U = 12 bytes per
+        parameter: rank 0's node downloads the checkpoint once and converts it; every other node
+        downloads about M + U*L/R under ZeRO-1/2, U under ZeRO-3, plus rank 0's state files; none
+        converts. Before, every node downloaded the whole checkpoint and converted it.
+        Host memory: the marker (one line per file) and every rank's parameter names (about P + R
+        names in all) are gathered on every rank."""
+        node_ranks, leader = self._node()
+        marker, retried = agree(lambda: self.run.universal(tag)), False
+        while True:
+            converted = ""
+            if marker is None:
+                if not agree(lambda: self.lease is not None and self.lease.version is not None):
+                    return all_ok(lambda: self._convert(tag, manifest) if leader else "")[node_ranks[0]], UNIVERSAL
+
+                # Two collectives, so the other ranks' longest wait is one step, not both (DeepSpeed's
+                # process-group timeout, 30 minutes by default, bounds each).
+                converted = agree(lambda: self._convert(tag, manifest))
+                about = {"converted_from_world_size": manifest["world_size"], "versions": _versions()}
+                marker = agree(lambda: self.run.publish_universal(tag, os.path.join(converted, UNIVERSAL), about))
+                log.info("published it as %s", self.run.object_url(f"{tag}/{UNIVERSAL}"))
+            reads = all_ok(lambda: universal_reads(engine.optimizer))
+            node_reads = None if any(reads[r] is None for r in node_ranks) else \
+                set().union(*(reads[r] for r in node_ranks))
+
+            def fetch() -> str:
+                if not leader:
+                    return ""
+                if self.rank == 0 and converted:
+                    return converted  # rank 0's node holds the whole conversion (and the checkpoint) already
+                shutil.rmtree(self.download_dir, ignore_errors=True)
+                self._fetch_files(tag, [n for n in ("rank0_state.pt", "shared_state.pt") if n in manifest["files"]],
+                                  manifest)
+                return os.path.join(self._fetch_files(tag, universal_files(marker["files"], node_reads), marker), tag)
+
+            try:
+                return all_ok(fetch)[node_ranks[0]], UNIVERSAL
+            except CheckpointError as e:
+                if converted or retried:
+                    raise
+                # A published copy gone bad does not condemn the checkpoint: it is converted again.
+                log.warning("the universal checkpoint beside %s is unusable: %s; converting again",
+                            self.run.object_url(tag), e)
+                marker, retried = None, True
+
+    def _convert(self, tag: str, manifest: dict) -> str:
+        """Fetch every file of `tag` to this node and run DeepSpeed's ds_to_universal on it in staging
+        (never in the store); returns the folder holding universal/."""
+        shutil.rmtree(self.download_dir, ignore_errors=True)
+        source = self._fetch_files(tag, needed_files(sorted(manifest["files"]), set(), True), manifest)
+        target = os.path.join(self.staging, "converted", tag)
+        shutil.rmtree(target, ignore_errors=True)
+        command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                   os.path.join(source, tag), "--output_folder", os.path.join(target, UNIVERSAL),
+                   "--inject_missing_state"]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise CheckpointError(f"ds_to_universal failed on {self.run.object_url(tag)}: "
+                                  f"{result.stderr.strip()[-1000:]}")
+        log.info("ran ds_to_universal on rank %d: converted %s (saved at %d ranks) to a universal checkpoint",
+                 self.rank, self.run.object_url(tag), manifest["world_size"])
         return target
 
-    def _load(self, engine, load_dir: str, tag: str, manifest: dict, resharded: bool) -> Restored:
+    def _load(self, engine, load_dir: str, ds_tag: str, tag: str, manifest: dict, resharded: bool) -> Restored:
         def load():
-            path, _ = engine.load_checkpoint(load_dir, tag=f"{tag}_universal" if resharded else tag,
-                                             load_module_strict=True)
+            path, _ = engine.load_checkpoint(load_dir, tag=ds_tag, load_module_strict=True)
             if path is None:
                 raise CheckpointError(f"{self.run.object_url(tag)}: DeepSpeed could not load the checkpoint")
             state_rank = 0 if resharded else self.rank

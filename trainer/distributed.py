@@ -1,4 +1,13 @@
-"""Where this process sits in the job: torchrun / deepspeed launcher variables, or SLURM's mapped to them."""
+"""Where this process sits in the job: torchrun / deepspeed launcher variables, or SLURM's mapped to
+them; and the few collectives the trainer builds on.
+
+The rule for collectives: a tensor handed to dist.all_reduce / broadcast / all_gather /
+reduce_scatter lives on the engine's device (the one `init_distributed` returns): NCCL takes only
+CUDA tensors, gloo CPU ones, so a tensor made without `device=` fails the first GPU run. Object
+collectives (broadcast_object_list, all_gather_object: pickled on the host, whole, on every rank)
+carry only small control data: decisions, errors, names, shapes. Never weights: a model goes
+tensor by tensor with `broadcast_state`, so a rank's host peak is one tensor beyond what it holds.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +22,7 @@ import torch.distributed as dist
 from vitforge.core import free_port
 
 T = TypeVar("T")
+S = TypeVar("S")
 
 
 @dataclass(frozen=True)
@@ -102,6 +112,37 @@ def agree(fn: Callable[[], T]) -> T:
     if kind == "error":
         raise value
     return value
+
+
+def agree_keeping(fn: Callable[[], T], summary: Callable[[T], S]) -> tuple[T | None, S]:
+    """`agree` for a result too big to ship (weights): rank 0 runs `fn` and keeps its result (None
+    on the other ranks); every rank gets `summary(result)`, small control data, or raises rank 0's
+    exception."""
+    kept: list = [None]
+
+    def run() -> S:
+        kept[0] = fn()
+        return summary(kept[0])
+
+    shared = agree(run)
+    return kept[0], shared
+
+
+def broadcast_state(state: dict[str, torch.Tensor] | None, device: torch.device,
+                    receive: Callable[[str, torch.Tensor], None], src: int = 0) -> None:
+    """Rank `src`'s state dict to every rank, one tensor at a time on `device` (the engine's):
+    `receive(name, tensor)` runs on every rank, `src` too, for each entry in `state`'s order; the
+    tensor is only valid during the call (copy it where it belongs). Other ranks pass None.
+    Per rank: the names, shapes and dtypes (one object broadcast, a few bytes per tensor) and one
+    tensor on `device` at a time, whatever the model's size."""
+    mine = dist.get_rank() == src
+    layout = [[(name, tuple(t.shape), t.dtype) for name, t in state.items()] if mine else None]
+    dist.broadcast_object_list(layout, src=src)
+    for name, shape, dtype in layout[0]:
+        tensor = state[name].detach().to(device).contiguous() if mine else \
+            torch.empty(shape, dtype=dtype, device=device)
+        dist.broadcast(tensor, src=src)
+        receive(name, tensor)
 
 
 def all_ok(fn: Callable[[], T]) -> list[T]:

@@ -1,6 +1,10 @@
 """Consolidated weights from a checkpoint of any ZeRO stage and world size, for `vitforge eval`,
 `vitforge ckpt export` and fine-tuning (`checkpoint.init_from`).
 
+One consolidation per job: in a multi-rank job rank 0 fetches and consolidates
+(`consolidate_on_rank0`) and the weights reach the other ranks tensor by tensor
+(`load_broadcast`), never as one pickled object. Export runs in one process.
+
 Every file is fetched and its sha256 checked before DeepSpeed's zero-to-fp32 reads it. A run URL
 means its newest usable checkpoint, chosen as `train` chooses where to resume. Loading never
 re-initialises a layer: a parameter whose shape differs is an error naming it. An export is the
@@ -14,7 +18,7 @@ import io
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -22,6 +26,7 @@ from vitforge.core import CheckpointError, UsageError, atomic_path, atomic_write
 from vitforge.pipeline import IMAGENET_MEAN, IMAGENET_STD
 
 from .checkpoint import needed_files
+from .distributed import agree, agree_keeping, broadcast_state
 from .model import PreLogitsHead, build_model, check_model_name
 from .objective import OBJECTIVES
 from .run_store import RunStore, split_checkpoint_url
@@ -71,11 +76,17 @@ def _consolidate(run: RunStore, tag: str, scratch: str, prefer_ema: bool) -> Con
     return Consolidated(state, manifest, run.object_url(tag), weights)
 
 
-def load_exact(model: torch.nn.Module, state: dict, where: str, assign: bool = False) -> None:
-    """load_state_dict(strict=True), with any missing, unexpected or mis-shaped parameter named.
-    `assign`: the model takes the state's tensors themselves (one built on the meta device: no
-    second copy of the weights)."""
-    target = model.state_dict()
+def consolidate_on_rank0(url: str, scratch: str, prefer_ema: bool = True) -> tuple[dict | None, Consolidated]:
+    """`consolidate` once per job: rank 0 fetches and consolidates and keeps the weights (returned
+    first; None on the other ranks); every rank gets the rest (manifest, URL, which weights) with an
+    empty state, or raises rank 0's error."""
+    kept, described = agree_keeping(lambda: consolidate(url, scratch, prefer_ema),
+                                    lambda weights: replace(weights, state={}))
+    return (kept.state if kept is not None else None), described
+
+
+def check_fits(target: dict[str, torch.Tensor], state: dict, where: str) -> None:
+    """The checkpoint `state` has exactly `target`'s names and shapes, or an error naming what differs."""
     missing = sorted(set(target) - set(state))
     unexpected = sorted(set(state) - set(target))
     if missing or unexpected:
@@ -84,7 +95,24 @@ def load_exact(model: torch.nn.Module, state: dict, where: str, assign: bool = F
         if tuple(state[name].shape) != tuple(value.shape):
             raise CheckpointError(f"{where}: parameter {name} has shape {tuple(state[name].shape)} in the "
                                   f"checkpoint but {tuple(value.shape)} in the model (model config differs?)")
+
+
+def load_exact(model: torch.nn.Module, state: dict, where: str, assign: bool = False) -> None:
+    """load_state_dict(strict=True), with any missing, unexpected or mis-shaped parameter named.
+    `assign`: the model takes the state's tensors themselves (one built on the meta device: no
+    second copy of the weights)."""
+    check_fits(model.state_dict(), state, where)
     model.load_state_dict(state, strict=True, assign=assign)
+
+
+def load_broadcast(model: torch.nn.Module, state: dict | None, where: str, device: torch.device) -> None:
+    """Rank 0's `state` (None on the other ranks) into every rank's `model`, which holds its own
+    full weights, tensor by tensor on `device`: the values load_exact gives (the same copy_), with
+    a rank's host peak one tensor beyond the model. Checked on rank 0; a misfit raises on every rank."""
+    target = model.state_dict()
+    agree(lambda: check_fits(target, state, where))
+    with torch.no_grad():
+        broadcast_state(state, device, lambda name, tensor: target[name].copy_(tensor))
 
 
 def trained_model(weights: Consolidated) -> torch.nn.Module:

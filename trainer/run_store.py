@@ -6,6 +6,9 @@ Layout of DIR/RUN (a local folder, file:// or s3://):
     step_NNNNNNNN/...                 DeepSpeed's files, rank{r}_state.pt, shared_state.pt
     step_NNNNNNNN/receipts/rank{r}.json   what rank r uploaded (name, bytes, sha256)
     step_NNNNNNNN/manifest.json       written by rank 0 after every receipt: the checkpoint exists from here
+    step_NNNNNNNN/universal/...       the checkpoint as DeepSpeed's universal checkpoint, published by the
+                                      first resume at another world size (any world size loads it)
+    step_NNNNNNNN/universal.json      its files with bytes and sha256, written after them: it exists from here
     latest                            the newest complete tag, written after its manifest
     lease.json                        which job owns the run, refreshed while it trains
     metrics.jsonl                     the run's metrics up to the newest checkpoint
@@ -33,6 +36,8 @@ LATEST = "latest"
 LEASE = "lease.json"
 METRICS = "metrics.jsonl"
 RECEIPTS = "receipts"
+UNIVERSAL = "universal"
+UNIVERSAL_MARKER = "universal.json"
 TAG = re.compile(r"^step_(\d{8,})$")
 MANIFEST_VERSION = 2
 log = logging.getLogger("vitforge.checkpoint")
@@ -216,9 +221,51 @@ class RunStore:
                 problems += [p for p in pool.map(check, sorted(checkable)) if p]
         return problems
 
+    # -- the universal checkpoint beside a checkpoint -----------------------------------------
+    def universal(self, tag: str) -> dict | None:
+        """The marker of `tag`'s published universal checkpoint ({"files": {name: bytes, sha256}},
+        names relative to the tag, as in a manifest), or None: never published, or cut short before
+        its marker (files without a marker are never read), or a marker that does not parse."""
+        try:
+            marker = json.loads(self.store.get_bytes(f"{tag}/{UNIVERSAL_MARKER}"))
+        except FileNotFoundError:
+            return None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            log.warning("%s: not valid JSON (%s); ignored", self.object_url(f"{tag}/{UNIVERSAL_MARKER}"), e)
+            return None
+        return marker if isinstance(marker, dict) and isinstance(marker.get("files"), dict) else None
+
+    def publish_universal(self, tag: str, folder: str, about: dict) -> dict:
+        """Upload the universal checkpoint in local `folder` to `tag`/universal/, then its marker;
+        returns the marker. What an earlier attempt left there is deleted first, its marker before
+        its files, so a marker never lists a file of another conversion."""
+        leftovers = sorted(self.store.walk(f"{tag}/{UNIVERSAL}"))
+        self.store.delete([f"{tag}/{UNIVERSAL_MARKER}"])
+        if leftovers:
+            self.store.delete(leftovers)
+        files = self.upload_folder(folder, f"{tag}/{UNIVERSAL}")
+        marker = {**about, "files": {f"{UNIVERSAL}/{name}": meta for name, meta in sorted(files.items())}}
+        self.put_bytes(f"{tag}/{UNIVERSAL_MARKER}", json.dumps(marker, indent=1, sort_keys=True).encode())
+        return marker
+
     # -- writing -----------------------------------------------------------------------------
     def upload(self, local_path: str, name: str) -> None:
         self.store.put_file(local_path, name, keep=True)
+
+    def upload_folder(self, root: str, prefix: str) -> dict[str, dict]:
+        """Every file under local `root` to `prefix`/..., 4 at a time; returns {name relative to root:
+        {"bytes", "sha256"}} for a receipt or a marker."""
+        names = sorted(os.path.relpath(os.path.join(d, n), root) for d, _, ns in os.walk(root) for n in ns)
+
+        def one(name: str) -> tuple[str, dict]:
+            path = os.path.join(root, name)
+            with ThreadPoolExecutor(1) as hasher:  # hashing overlaps the upload: two reads of the page cache
+                digest = hasher.submit(sha256_file, path)
+                self.upload(path, f"{prefix}/{name}")
+                return name, {"bytes": os.path.getsize(path), "sha256": digest.result()}
+
+        with ThreadPoolExecutor(4) as pool:
+            return dict(pool.map(one, names))
 
     def put_bytes(self, name: str, data: bytes) -> None:
         self.store.put_bytes(name, data)

@@ -26,9 +26,9 @@ from vitforge.pipeline import LoaderSpec, build_loader
 
 from .checkpoint import Checkpointer
 from .config import Config, ConfigError
-from .distributed import agree, all_ok, detect_env, init_distributed, shutdown
+from .distributed import agree_keeping, detect_env, init_distributed, shutdown
 from .engine import build_engine, learning_rate, set_tf32
-from .export import consolidate, load_exact
+from .export import check_fits, consolidate, consolidate_on_rank0, load_broadcast
 from .metrics import MetricsLog
 from .model import PEAK_FLOPS, adapt_state_dict, build_model, check_model_name, forward_flops
 from .mixing import Mixing, mix_batch
@@ -115,16 +115,17 @@ def metrics_folder(cfg: Config) -> str:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, loader, objective: Objective, params: dict | None = None,
+def evaluate(model: torch.nn.Module, loader, objective: Objective, device: torch.device, params: dict | None = None,
              seed: int = 0) -> dict:
     """The objective's metrics over the whole eval set, summed across ranks; padding is ignored."""
     was_training = model.training
     model.eval()
-    totals = torch.zeros(4, dtype=torch.float64)
+    totals = torch.zeros(4, dtype=torch.float64)  # on the host, where eval_counts returns its counts
     for batch in loader:
         inputs, targets = objective.inputs(batch, model, 0, seed)
         logits = torch.func.functional_call(model, params, inputs) if params else model(*inputs)
         totals += objective.eval_counts(logits, targets)
+    totals = totals.to(device)  # the collective's device: NCCL has no CPU tensors
     dist.all_reduce(totals)
     model.train(was_training)
     return objective.eval_metrics(totals)
@@ -222,7 +223,7 @@ class Trainer:
         if step % cfg.train.log_every == 0 or step == self.end:
             self.last = self.log_step()
         if self.val_loader is not None and (step % cfg.train.eval_every == 0 or step == self.end):
-            self.last.update(evaluate(self.engine.module, self.val_loader, self.objective,
+            self.last.update(evaluate(self.engine.module, self.val_loader, self.objective, self.device,
                                       self.ema.weights if self.ema else None, cfg.data.seed))
             self.metrics.write(step, {k: v for k, v in self.last.items() if k.startswith("eval")})
         due = (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0) or timed or step == self.end
@@ -277,7 +278,7 @@ class Trainer:
 
     def log_step(self) -> dict:
         window, step = self.window, self.state.step
-        loss = torch.tensor([window.loss.item(), window.micro], dtype=torch.float64)
+        loss = torch.tensor([window.loss.item(), window.micro], dtype=torch.float64, device=self.device)
         dist.all_reduce(loss)
         now = time.perf_counter()
         images_per_s = window.steps * self.cfg.train.global_batch / (now - window.start)
@@ -287,7 +288,7 @@ class Trainer:
         stats = self.train_loader.stats()
         # The slowest rank's wait is the job's: the others wait for it in the next collective.
         wait = torch.tensor([self.train_loader.window()["data_wait_fraction"], stats["data_wait_fraction"]],
-                            dtype=torch.float64)
+                            dtype=torch.float64, device=self.device)
         dist.all_reduce(wait, op=dist.ReduceOp.MAX)
         grad_norm = self.engine.get_global_grad_norm()
         values = {
@@ -384,21 +385,22 @@ def _build(cfg: Config, env, device, stop: StopRequest) -> tuple[Trainer, Checkp
     if cfg.checkpoint.save:
         checkpointer.claim()
 
+    def make_model() -> torch.nn.Module:
+        return build_model(cfg.model.name, num_classes, cfg.model.image_size, cfg.model.drop_path, cfg.model.dropout,
+                           cfg.model.pre_logits, cfg.train.objective)
+
     def engine_for(universal: bool):
         config = cfg
         if universal:  # DeepSpeed must know at construction that it will load a universal checkpoint
             config = cfg.model_copy(update={"deepspeed": {**cfg.deepspeed, "checkpoint": {
                 **cfg.deepspeed.get("checkpoint", {}), "load_universal": True}}})
-        return build_engine(config, lambda: build_model(cfg.model.name, num_classes, cfg.model.image_size,
-                                                        cfg.model.drop_path, cfg.model.dropout, cfg.model.pre_logits,
-                                                        cfg.train.objective),
-                            env.world_size, device)
+        return build_engine(config, make_model, env.world_size, device)
 
     if cfg.train.ema_decay is not None and cfg.train.zero_stage == 3:
         raise ConfigError("train.ema_decay needs train.zero_stage <= 2 (ZeRO-3 partitions the weights)")
     engine, restored = checkpointer.restore(engine_for, cfg.checkpoint.resume)
     if restored is None and cfg.checkpoint.init_from:
-        changes = _init_from(engine, cfg.checkpoint.init_from)
+        changes = _init_from(engine, cfg.checkpoint.init_from, device, make_model)
         log.info("initialised from %s (%s)", cfg.checkpoint.init_from, "; ".join(changes) or "as is")
     # The EMA starts from the weights training starts from (restored, fine-tuned from, or fresh).
     ema = EMA(engine.module, cfg.train.ema_decay) if cfg.train.ema_decay is not None else None
@@ -434,9 +436,19 @@ def _saved_metrics(checkpointer: Checkpointer) -> bytes | None:
         return None
 
 
-def _init_from(engine, source: str) -> list[str]:
+def _init_from(engine, source: str, device: torch.device, make_model) -> list[str]:
     """Fine-tuning start: a run or checkpoint of ours (any ZeRO stage, local or s3://), or a timm
-    state-dict file. The only place a layer may be replaced, and it says which."""
+    state-dict file. The only place a layer may be replaced, and it says which.
+
+    One download and consolidation per job, on rank 0, which also adapts the weights to the model
+    (adapt_state_dict) and checks they fit; its errors reach every rank. The weights then go into
+    the model tensor by tensor: ZeRO-3 gathers one parameter at a time and rank 0 writes it (the
+    other ranks hold no state at all); ZeRO 0-2 broadcast each tensor from rank 0 on the engine's
+    device. Per rank: rank 0 the checkpoint's fp32 state (and at ZeRO-3 one more model, the
+    template adapt_state_dict reads shapes and initial values from, as build_engine builds at
+    ZeRO-3); every other rank one tensor beyond the model."""
+    zero3 = engine.zero_optimization_stage() == 3
+
     def load() -> dict:
         if source.endswith(".safetensors"):
             from safetensors.torch import load_file
@@ -448,18 +460,31 @@ def _init_from(engine, source: str) -> list[str]:
         with tempfile.TemporaryDirectory(prefix="vitforge-init-") as scratch:
             return consolidate(source, scratch, prefer_ema=True).state
 
-    state = all_ok(load)[dist.get_rank()]
-    state = {k.removeprefix("module."): v.detach() for k, v in state.items()}
-    state, changed = adapt_state_dict(state, engine.module)
-    if engine.zero_optimization_stage() == 3:
+    def load_and_adapt() -> tuple[dict, list[str]]:
+        state = {k.removeprefix("module."): v.detach() for k, v in load().items()}
+        # ZeRO-3's own module holds empty partitions: a whole model stands in for its shapes, built
+        # without drawing from rank 0's random stream (the other ranks build none).
+        with torch.random.fork_rng(devices=[]):
+            template = make_model() if zero3 else engine.module
+        state, changed = adapt_state_dict(state, template)
+        check_fits(template.state_dict(), state, source)
+        return state, changed
+
+    kept, changed = agree_keeping(load_and_adapt, lambda adapted: adapted[1])
+    state = kept[0] if kept is not None else None
+    if zero3:
         import deepspeed
 
         for name, param in engine.module.named_parameters():
             with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
-                if dist.get_rank() == 0:
+                if state is not None:
                     param.data.copy_(state[name])
     else:
-        load_exact(engine.module, state, source)
+        load_broadcast(engine.module, state, source, device)
+    # The optimizer keeps its own fp32 copy of the weights (ZeRO's master partitions), taken when the
+    # engine was built: without this the first step would train on from the random initialisation.
+    if hasattr(engine.optimizer, "refresh_fp32_params"):
+        engine.optimizer.refresh_fp32_params()
     return changed
 
 
@@ -474,7 +499,7 @@ def run_eval(cfg: Config, checkpoint_url: str, model_overrides: set[str]) -> dic
     ok = False
     try:
         with tempfile.TemporaryDirectory(prefix="vitforge-eval-") as scratch:
-            weights = agree(lambda: consolidate(checkpoint_url, scratch))
+            state, weights = consolidate_on_rank0(checkpoint_url, scratch)
             saved = weights.manifest.get("config", {}).get("model", {})
             model_cfg = cfg.model.model_copy(update={k: v for k, v in saved.items() if k not in model_overrides})
             num_classes = model_cfg.num_classes or weights.manifest.get("num_classes")
@@ -486,9 +511,10 @@ def run_eval(cfg: Config, checkpoint_url: str, model_overrides: set[str]) -> dic
             _check_labelled(objective, val_loader)
             model = build_model(model_cfg.name, num_classes, model_cfg.image_size, pre_logits=model_cfg.pre_logits,
                                 objective=objective).to(device)
-            load_exact(model, weights.state, weights.url)
+            load_broadcast(model, state, weights.url, device)
+            del state
             result = {"checkpoint": weights.url, "weights": weights.weights,
-                      **evaluate(model, val_loader, OBJECTIVES[objective], seed=cfg.data.seed)}
+                      **evaluate(model, val_loader, OBJECTIVES[objective], device, seed=cfg.data.seed)}
         ok = True
         return result
     finally:
