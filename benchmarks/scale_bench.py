@@ -318,8 +318,8 @@ def main() -> None:
                 value, how = fit(scales, [runs[s][figure] for s in scales]), "extrapolated"
             met = value <= limit
             report[step]["at_paper_scale"][figure] = {"value": value, "how": how, "target": limit, "met": met}
-            print(f"  at paper scale ({how}): {figure} {value:,.3g} (target <= {limit:,}): "
-                  f"{'met' if met else 'NOT met'}")
+            print(f"  {step} {figure} at paper scale ({how}) {value:,.3g}, target {limit:,.3g}: "
+                  f"{value / limit:.2f}x (goal <= 1x)")
         old = [s for s in scales if "old_peak_mb" in runs[s]]
         if old:  # all_gather_object: every rank receives every rank's copy, so it grows with the ranks too
             peak = fit(old, [runs[s]["old_peak_mb"] for s in old]) * PAPER["ranks"] / runs[old[-1]]["ranks"]

@@ -103,6 +103,11 @@ class DatasetIndex:
     def __len__(self) -> int:
         return int(self.shard_samples.sum())
 
+    @property
+    def ranked(self) -> bool:
+        """A subset drawn as loader state version 2 drew them (with_subset(ranked=True))."""
+        return self.subset is not None and self.subset.ranked is not None
+
     def samples(self, shard: int) -> ShardSamples:
         return self.loaded[shard]
 
@@ -131,11 +136,11 @@ class DatasetIndex:
         whole = self.whole or self
         full = whole.shard_samples
         if ranked:
-            ids = ranked_subset_ids(int(full.sum()), size, seed)
-            shard_of = np.searchsorted(np.cumsum(full), ids, side="right")
+            ids = ranked_subset_ids(int(full.sum()), size, seed)  # ascending
             offsets = np.cumsum(full) - full
-            rows = {int(s): ids[shard_of == s] - offsets[s] for s in np.unique(shard_of)}
-            subset = Subset(size, seed, np.bincount(shard_of, minlength=len(full)).astype(np.int64), rows)
+            per_shard = np.split(ids, np.searchsorted(ids, offsets[1:]))
+            rows = {s: kept - offsets[s] for s, kept in enumerate(per_shard) if len(kept)}
+            subset = Subset(size, seed, np.array([len(kept) for kept in per_shard], np.int64), rows)
         else:
             subset = Subset(size, seed, subset_counts(full, size, seed))
         index = DatasetIndex(whole.shard_urls, subset.counts, whole.num_classes, whole.labelled, whole.classes,
@@ -173,7 +178,7 @@ def load_index(dataset: str) -> DatasetIndex:
         manifest["num_classes"], labelled=manifest["num_classes"] is not None, classes=manifest.get("classes"),
         max_pixels=manifest.get("parameters", {}).get("image", {}).get("max_pixels") or Image.MAX_IMAGE_PIXELS,
         shard_sha256=[s["sha256"] for s in shards], shard_bytes=[s["bytes"] for s in shards],
-        index_text=functools.partial(_stored_text, store, tuple(s["index"] for s in shards)))
+        index_text=functools.partial(_stored_text, dataset, tuple(s["index"] for s in shards)))
     if len(index) != manifest["totals"]["samples"]:
         raise DatasetError(f"{dataset}: its shards list {len(index)} samples, dataset.json says "
                            f"{manifest['totals']['samples']}")
@@ -182,8 +187,16 @@ def load_index(dataset: str) -> DatasetIndex:
     return index
 
 
-def _stored_text(store, names: tuple[str, ...], shard: int) -> str:
+@functools.lru_cache(maxsize=4)
+def _store(dataset: str):
+    """One store per dataset and process: the index holds the URL, so it pickles (a loader worker
+    started by spawn or forkserver opens its own)."""
+    return open_store(dataset)
+
+
+def _stored_text(dataset: str, names: tuple[str, ...], shard: int) -> str:
     """A dataset.json dataset's index file: one GET (retried by the store)."""
+    store = _store(dataset)
     try:
         return store.get_bytes(names[shard]).decode()
     except FileNotFoundError:

@@ -14,6 +14,7 @@ another world size or batch size.
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import torch
@@ -21,7 +22,7 @@ import torch
 from vitforge.core import CheckpointError
 
 from .index import DatasetError, DatasetIndex, load_index
-from .order import RankSlice
+from .order import RankSlice, partition_shards_of
 from .spec import LoaderSpec
 
 log = logging.getLogger("vitforge.pipeline")
@@ -68,6 +69,7 @@ class Loader:
         self.rank, self.world_size, self.num_samples = rank, world_size, num_samples
         self.accumulation, self.ranks_per_node = accumulation, ranks_per_node
         self.partitions = spec.partitions or world_size
+        self._warn_if_spread()
         self.epoch = 0
         self.consumed = 0
         self.images = 0
@@ -108,9 +110,11 @@ class Loader:
         self.consumed = 0
 
     def state_dict(self) -> dict:
+        # A run resumed from version 2 with a subset keeps drawing its subset that way, for good.
         return {"version": STATE_VERSION, "epoch": self.epoch, "consumed": self.consumed, "seed": self.spec.seed,
                 "num_samples": self.num_samples, "world_size": self.world_size,
-                "batch_size": self.spec.batch_size, "partitions": self.partitions}
+                "batch_size": self.spec.batch_size, "partitions": self.partitions,
+                "ranked_subset": bool(self.index is not None and self.index.ranked)}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("version") not in (1, 2, STATE_VERSION):
@@ -121,6 +125,7 @@ class Loader:
                 raise CheckpointError(f"the run's order has {partitions} partitions, fixed when it started; "
                                       f"data.partitions={self.spec.partitions} would change the order mid-run")
             self.partitions = partitions
+            self._warn_if_spread()
         for name in ("seed", "num_samples"):
             mine = self.spec.seed if name == "seed" else self.num_samples
             if state[name] != mine:
@@ -130,11 +135,28 @@ class Loader:
             log.info("resuming at %d ranks x %d per batch a position saved at %d x %d: exact, from position %d",
                      self.world_size, self.spec.batch_size, state["world_size"], state["batch_size"],
                      state["consumed"])
-        if state["version"] < 3 and self.index is not None and self.index.subset is not None:
-            log.info("resuming a run whose subset was drawn by loader state version %d: its samples, ranked "
-                     "over the whole dataset once", state["version"])
+        ranked = state["version"] < 3 or state.get("ranked_subset", False)
+        if ranked and self.index is not None and self.index.subset is not None and not self.index.ranked:
+            log.info("resuming a run whose subset was drawn as loader state version 2 drew them: its samples, "
+                     "ranked over the whole dataset once (O(samples), at this start only)")
             self.index = self.backend.index = self.index.with_subset(self.spec.subset, self.spec.seed, ranked=True)
         self.epoch, self.consumed = state["epoch"], state["consumed"]
+
+    def prepare(self) -> None:
+        """Read the index files of the shards the current epoch reads now, rather than at the
+        first batch: a bad one then fails here, where the caller can make every rank fail alike."""
+        if self.index is not None:
+            rank_slice = self._slice()
+            self.index.load(partition_shards_of(self.index.shard_samples, self.spec.seed, self.partitions,
+                                                rank_slice.partitions_read()))
+
+    def _warn_if_spread(self) -> None:
+        spread = self.partitions // math.gcd(self.world_size, self.partitions)
+        if self.index is not None and spread > 1:
+            log.warning("%d ranks read an order of %d partitions: each rank reads %d of them (%d samples, the "
+                        "index of their shards) instead of 1; a world size that divides %d, or a multiple of it, "
+                        "keeps that to one", self.world_size, self.partitions, spread,
+                        spread * self.num_samples // self.partitions, self.partitions)
 
     def window(self) -> dict:
         """This rank's images/s and data-wait fraction since the previous call (the first: since the

@@ -77,6 +77,13 @@ def partition_shards(counts: np.ndarray, seed: int, partitions: int, part: int,
     return layout[inside], first, np.minimum(hi - begins[inside], counts[layout][inside]) - first
 
 
+def partition_shards_of(counts: np.ndarray, seed: int, partitions: int, parts) -> np.ndarray:
+    """The shards these partitions hold, ascending. O(shards) per partition."""
+    layout = shard_layout(seed, len(counts))
+    held = [partition_shards(counts, seed, partitions, int(p), layout) for p in parts]
+    return np.unique(np.concatenate([shards[taken > 0] for shards, _, taken in held] or [np.empty(0, np.int64)]))
+
+
 def partition_members(counts: np.ndarray, seed: int, partitions: int, part: int) -> tuple[np.ndarray, np.ndarray]:
     """(shard, row) of each sample of one partition, in sample-id order. O(partition) memory."""
     shards, first, taken = partition_shards(counts, seed, partitions, part)
@@ -136,12 +143,14 @@ class EpochOrder:
         return shards, rows
 
 
-def shard_uses(counts: np.ndarray, seed: int, epoch: int, window: int, partitions: int,
-               parts) -> dict[int, list[tuple[int, int]]]:
+def shard_uses(counts: np.ndarray, seed: int, epoch: int, window: int, partitions: int, parts,
+               below: int | None = None, shift: int = 0) -> dict[int, list[tuple[int, int]]]:
     """For each shard of these partitions, the (first, last) epoch positions at which they read
     it: a shard's samples are one run of its partition's order before the window mixing, which
-    moves a sample only within its window of `window` positions. From shard counts alone: O(shards)."""
+    moves a sample only within its window of `window` positions. From shard counts alone: O(shards).
+    `below`: only uses at positions below it, moved `shift` on (padding: the order's start again)."""
     uses: dict[int, list[tuple[int, int]]] = {}
+    below = int(counts.sum()) if below is None else below
     size = int(counts.sum())
     width = max(window, 1)
     layout = shard_layout(seed, len(counts))
@@ -154,7 +163,9 @@ def shard_uses(counts: np.ndarray, seed: int, epoch: int, window: int, partition
         first = (last - count + 1) // width * width
         last = np.minimum((last // width + 1) * width, int(count.sum())) - 1
         for shard, a, b in zip(present.tolist(), first.tolist(), last.tolist()):
-            uses.setdefault(shard, []).append((a * partitions + int(part), min(b * partitions + int(part), size - 1)))
+            first_use, last_use = a * partitions + int(part), min(b * partitions + int(part), size - 1, below - 1)
+            if first_use <= last_use:
+                uses.setdefault(shard, []).append((first_use + shift, last_use + shift))
     return uses
 
 
@@ -235,10 +246,10 @@ class RankSlice:
         first = self.consumed + batch * self.world_size * self.batch_size + self.rank
         return np.arange(first, first + self.world_size * self.batch_size, self.world_size, dtype=np.int64)
 
-    def partitions_read(self, rank: int | None = None) -> np.ndarray:
+    def partitions_read(self, rank: int | None = None, padding: bool = True) -> np.ndarray:
         """The partitions this rank (or another `rank` of the run) reads in the rest of the epoch,
-        ascending: those p = first position (mod gcd(W, P)), and, past the end, the padding's.
-        O(P / gcd(W, P)): one partition when the world size divides P."""
+        ascending: those p = first position (mod gcd(W, P)), and, past the end, the padding's
+        (only those with `padding`). O(P / gcd(W, P)): one when the world size divides P."""
         rank = self.rank if rank is None else rank
         first = self.consumed + rank
         count = self.num_batches * self.batch_size
@@ -248,8 +259,13 @@ class RankSlice:
         # Positions first + W*i (i < within) meet each partition p = first (mod gcd(W, P)) once i spans P / gcd.
         head = (np.arange(first % spread, parts, spread) if within >= parts // spread
                 else (first + step * np.arange(within, dtype=np.int64)) % parts)
-        padding = (first + step * np.arange(within, count, dtype=np.int64)) % self.num_samples % parts
-        return np.unique(np.concatenate([head, padding]).astype(np.int64))
+        padded = (first + step * np.arange(within, count, dtype=np.int64)) % self.num_samples % parts
+        return np.unique(np.concatenate([head, padded] if padding else [head]).astype(np.int64))
+
+    @property
+    def end(self) -> int:
+        """The epoch position after the last one the ranks read (past num_samples when padded)."""
+        return self.consumed + self.num_batches * self.world_size * self.batch_size
 
     def node_ranks(self) -> range:
         node = self.rank // self.ranks_per_node

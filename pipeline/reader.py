@@ -101,6 +101,7 @@ class SampleReader:
         self._cache = self._prefetcher = None
         self._batch = self._batch_position = self._submitted = 0
         self._pending: list[tuple[int, Future]] = []  # read-ahead on its way: (place in _upcoming, future)
+        self._skipped: list[int] = []  # read-ahead the cache had no room for (places in _upcoming)
         if cache is not None:
             names = {shard_file_name(*self._identity(s)): s for s in node_future.shards}
             self._cache = ShardCache(cache, lambda name: node_future.next_use(names.get(name), self._batch_position))
@@ -151,9 +152,14 @@ class SampleReader:
         read-ahead the cache had no room for is asked again, while its shard is still ahead."""
         wanted = min(len(self._upcoming), self._known[self._batch] + self._cache.spec.ahead)
         ahead = self._known[self._batch]
-        again = [u for u, future in self._pending if future.done() and u >= ahead and future.exception() is None
-                 and future.result() is False]
+        self._skipped += [u for u, future in self._pending if future.done() and future.exception() is None
+                          and future.result() is False]
         self._pending = [(u, future) for u, future in self._pending if not future.done()]
+        again = []
+        # Asked again only when this reader reaches a new shard (room is made as shards are left),
+        # not at every batch: each ask takes the folder's lock.
+        if self._batch == 0 or ahead != self._known[self._batch - 1]:
+            again, self._skipped = [u for u in self._skipped if u >= ahead], []
         for u in again + list(range(self._submitted, wanted)):
             self._pending.append((u, self._prefetcher.submit(self._cache.prefetch,
                                                              *self._identity(self._upcoming[u]))))
@@ -189,8 +195,16 @@ class NodeFuture:
     of those partitions), about 500 a node at 30,000 shards over 64 nodes."""
 
     def __init__(self, index: DatasetIndex, spec: LoaderSpec, epoch: int, rank_slice: RankSlice):
-        parts = np.unique(np.concatenate([rank_slice.partitions_read(r) for r in rank_slice.node_ranks()]))
-        self.uses = shard_uses(index.shard_samples, spec.seed, epoch, spec.shuffle_window, rank_slice.partitions, parts)
+        counts, partitions = index.shard_samples, rank_slice.partitions
+        ranks = rank_slice.node_ranks()
+        parts = np.unique(np.concatenate([rank_slice.partitions_read(r, padding=False) for r in ranks]))
+        self.uses = shard_uses(counts, spec.seed, epoch, spec.shuffle_window, partitions, parts)
+        past = rank_slice.end - len(index)
+        if past > 0:  # padding reads the order's first `past` positions again, at positions N on
+            padded = np.unique(np.concatenate([rank_slice.partitions_read(r) for r in ranks]))
+            for shard, spans in shard_uses(counts, spec.seed, epoch, spec.shuffle_window, partitions, padded,
+                                           below=past, shift=len(index)).items():
+                self.uses.setdefault(shard, []).extend(spans)
         self.shards = sorted(self.uses)
 
     def next_use(self, shard: int | None, position: int) -> float:

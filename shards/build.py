@@ -184,10 +184,15 @@ def ensure_plan(job: ShardJob, store=None) -> PlanHeader:
 def _plan_claimed(job: ShardJob, store, version: str) -> PlanHeader:
     header = read_header(store)  # the previous holder may have finished between our reads
     if header is None:
-        with _heartbeat(job, store, version):
+        with _heartbeat(job, store, version) as held:
             header = _make_plan(job, store)
-    # A local store's compare-and-swap leaves a lock file beside the claim; the plan needs neither now.
-    store.delete([CLAIM_NAME, f"{CLAIM_NAME}.lock"])
+        version = held[0]
+    # Only a claim still ours is deleted: one a task took over while this one was thought dead is
+    # that task's until it finishes its plan. A local store's compare-and-swap leaves a lock file
+    # beside the claim; the plan needs neither now.
+    claim = store.get_versioned(CLAIM_NAME)
+    if claim is not None and claim[1] == version:
+        store.delete([CLAIM_NAME, f"{CLAIM_NAME}.lock"])
     return _checked(job, header)
 
 
@@ -228,16 +233,19 @@ def _claim_dead(data: bytes, unchanged_s: float) -> bool:
 
 @contextlib.contextmanager
 def _heartbeat(job: ShardJob, store, version: str):
-    """Renew the claim every CLAIM_STALE_S / 4 while planning, so waiting tasks see it is alive."""
+    """Renew the claim every CLAIM_STALE_S / 4 while planning, so waiting tasks see it is alive.
+    Yields [the claim's version as this task last wrote it], None once another task took it over."""
     stop = threading.Event()
+    held = [version]
 
     def beat():
-        current, beats = version, 0
+        beats = 0
         while not stop.wait(CLAIM_STALE_S / 4):
             beats += 1
             try:
-                current = store.put_if(CLAIM_NAME, _claim_bytes(job, beats), current)
+                held[0] = store.put_if(CLAIM_NAME, _claim_bytes(job, beats), held[0])
             except PreconditionFailed:
+                held[0] = None
                 log.warning("another task took over planning (this one was thought dead); both write the same plan")
                 return
             except StorageError as e:
@@ -246,7 +254,7 @@ def _heartbeat(job: ShardJob, store, version: str):
     thread = threading.Thread(target=beat, name="plan-claim", daemon=True)
     thread.start()
     try:
-        yield
+        yield held
     finally:
         stop.set()
         thread.join()

@@ -16,13 +16,23 @@ SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Co
 
 
 class FaultSchedule:
-    def __init__(self, slow_down_every: int, reset_every: int, cut_body_every: int, latency_s: float = 0.0):
+    def __init__(self, slow_down_every: int, reset_every: int, cut_body_every: int, latency_s: float = 0.0,
+                 flip_once: str | None = None):
         self.every = {"slow_down": slow_down_every, "reset": reset_every, "cut_body": cut_body_every}
         self.latency_s = latency_s  # added to every request: a slow link, so work can be caught mid-upload
+        # the first GET of a path holding this gets one byte of its answer flipped: a bit error on the way
+        self.flip_once = flip_once
         self.requests: list[tuple[str, str]] = []  # (method, path) of every request, faults included
         self.count = 0
         self.injected = {name: 0 for name in self.every}
         self.lock = threading.Lock()
+
+    def flip(self, command: str, path: str) -> bool:
+        with self.lock:
+            hit = command == "GET" and self.flip_once is not None and self.flip_once in path
+            if hit:
+                self.flip_once = None
+            return hit
 
     def next_fault(self) -> str | None:
         with self.lock:
@@ -71,6 +81,8 @@ def start_proxy(backend_port: int, schedule: FaultSchedule) -> tuple[ThreadingHT
             response = upstream.getresponse()
             data = response.read()
             upstream.close()
+            if data and schedule.flip(self.command, self.path):
+                data = data[:-1] + bytes([data[-1] ^ 0xFF])
             self.send_response_only(response.status, response.reason)
             for key, value in response.getheaders():
                 if key.lower() not in ("transfer-encoding", "content-length", "connection"):

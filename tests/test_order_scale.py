@@ -124,3 +124,66 @@ def test_a_version_2_run_with_a_subset_resumes_with_its_own_samples(dataset):
     assert len(resumed) == 3 and {k for b in resumed for k in b["key"]} <= old_subset
     resumed.load_state_dict({**fresh.state_dict(), "version": 2, "epoch": 2, "consumed": 0})
     assert {k for b in resumed for k in b["key"]} == old_subset
+
+
+def test_a_run_resumed_with_a_version_2_subset_keeps_it_at_every_later_resume(dataset):
+    everything = [f"{s}:{k}" for s, k in _keys(dataset)]
+    old_subset = {everything[i] for i in ranked_subset_ids(120, 0.25, 0)}
+    first = build_loader(spec(dataset, subset=0.25))
+    first.load_state_dict({**first.state_dict(), "version": 2})
+    saved = json.loads(json.dumps(first.state_dict()))
+    assert saved["version"] == 3 and saved["ranked_subset"]
+    again = build_loader(spec(dataset, subset=0.25))
+    again.load_state_dict(saved)
+    assert {k for b in again for k in b["key"]} == old_subset
+    assert not build_loader(spec(dataset, subset=0.25)).state_dict()["ranked_subset"]
+
+
+def test_node_future_knows_every_read_of_the_node_padding_included():
+    from types import SimpleNamespace
+
+    from vitforge.pipeline import DatasetIndex
+    from vitforge.pipeline.reader import NEVER, NodeFuture
+
+    counts = np.array([17, 17, 3, 40, 0, 25, 9], np.int64)
+    index = DatasetIndex([f"s3://b/{i}.tar" for i in range(len(counts))], counts, None)
+    for window, world, per_node, consumed in ((1, 4, 2, 0), (5, 4, 2, 30), (64, 3, 3, 0), (5, 6, 2, 7)):
+        loader_spec = SimpleNamespace(seed=2, shuffle_window=window)
+        for rank in range(world):
+            rank_slice = RankSlice(int(counts.sum()), consumed, rank, world, 8, "pad", 1, 4, per_node)
+            future = NodeFuture(index, loader_spec, 1, rank_slice)
+            order = EpochOrder(counts, 2, 1, window, 4, range(4))
+            for r in rank_slice.node_ranks():
+                mine = RankSlice(int(counts.sum()), consumed, r, world, 8, "pad", 1, 4, per_node)
+                for b in range(mine.num_batches):
+                    positions = mine.positions(b)
+                    for position, shard in zip(positions.tolist(), order.at(positions)[0].tolist()):
+                        assert future.next_use(shard, position) <= position < NEVER, (window, world, position)
+
+
+def test_a_bad_index_file_fails_when_the_loader_prepares_on_the_ranks_that_read_it(dataset, tmp_path, caplog):
+    import pickle
+    import shutil
+
+    from vitforge.pipeline import DatasetError
+
+    copy = tmp_path / "shards"
+    shutil.copytree(dataset, copy)
+    manifest = json.loads((copy / "dataset.json").read_text())
+    bad = manifest["shards"][2]
+    lines = (copy / bad["index"]).read_text().splitlines()
+    (copy / bad["index"]).write_text("\n".join(lines[:-1]) + "\n")
+    loaders = [build_loader(spec(copy), rank, 3) for rank in range(3)]  # reading no index file yet
+    assert pickle.loads(pickle.dumps(loaders[0].index)).shard_urls == loaders[0].index.shard_urls
+    failed = []
+    for loader in loaders:
+        try:
+            loader.prepare()
+        except DatasetError as e:
+            failed.append(str(e))
+    assert failed and len(failed) < 3
+    assert all(f"{bad['index']}: lists {bad['samples'] - 1} samples, dataset.json says {bad['samples']}" in e
+               for e in failed)
+    with caplog.at_level("WARNING"):
+        build_loader(spec(dataset, partitions=4), 0, 3)
+    assert "each rank reads 4 of them" in caplog.text

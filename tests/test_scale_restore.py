@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 # The order matters: each scenario starts from what the one before left in the store.
-SCENARIOS = ("today", "first", "again", "half", "corrupt")
+SCENARIOS = ("today", "first", "again", "half", "corrupt", "flipped")
 SAVED = ["train.steps=2", "train.checkpoint_every=2", "data.val=null", "train.log_every=1"]
 CONVERTED = "ran ds_to_universal"
 
@@ -44,9 +44,12 @@ def test_a_world_size_change_converts_once_and_shares_it(data, s3_server, bucket
     seen = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     runs = {name: sum(s[name]["conversions"] for s in seen) for name in SCENARIOS}
     # Today: each node converts; then rank 0 alone, once; a published copy is reused; a copy without
-    # its marker (an upload cut short) or with a corrupt file is converted again, never used.
-    assert runs == {"today": 2, "first": 1, "again": 0, "half": 1, "corrupt": 1}, runs
+    # its marker (an upload cut short) or with a corrupt file is converted again, never used; a good
+    # copy that one node's fetch got wrong (a byte flipped on its way) is fetched again, and left as
+    # it is for the other jobs that may be reading it.
+    assert runs == {"today": 2, "first": 1, "again": 0, "half": 1, "corrupt": 1, "flipped": 0}, runs
     assert "converting again" in outputs[0][1] and "sha256 differs" in outputs[0][1]
+    assert seen[1]["flipped"]["flipped"] and "checks out in the store; fetching it again" in outputs[0][1]
     for name in SCENARIOS:
         for r in range(2):
             assert seen[r][name]["step"] == 2
@@ -118,7 +121,15 @@ def _ranks(run_url: str, out: str, staging_base: str) -> None:
 
     seen = {}
     run = RunStore(run_url)
+    endpoint = os.environ["AWS_ENDPOINT_URL"]
     for name in SCENARIOS:
+        faults = None
+        if env.rank == 1 and name == "flipped":  # node 1's link to the store flips a byte, once
+            from faulty_proxy import FaultSchedule, start_proxy
+
+            faults = FaultSchedule(0, 0, 0, flip_once="/universal/zero/")
+            proxy, port = start_proxy(int(endpoint.rsplit(":", 1)[1]), faults)
+            os.environ["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{port}"
         if env.rank == 0 and name == "half":  # an upload cut short: files without their marker
             run.store.delete(["step_00000002/universal.json"])
         if env.rank == 0 and name == "corrupt":  # the same size, other bytes: only its sha256 tells
@@ -132,11 +143,14 @@ def _ranks(run_url: str, out: str, staging_base: str) -> None:
         records.clear()
         engine, restored = checkpointer.restore(engine_for, 2)
         checkpointer.release()
+        if faults is not None:
+            proxy.shutdown()
+            os.environ["AWS_ENDPOINT_URL"] = endpoint
         torch.save(_engine_state(engine), os.path.join(out, f"{name}_rank{env.rank}.pt"))
         fetched = [int(m.split(" files, ")[1].split()[0]) for m in records if m.startswith("fetched ")]
         zero = Path(checkpointer.download_dir, "step_00000002", "universal", "zero")
         seen[name] = {"step": restored.step, "conversions": sum(CONVERTED in m for m in records),
-                      "fetched": sum(fetched),
+                      "fetched": sum(fetched), "flipped": faults is not None and faults.flip_once is None,
                       "params": sorted(p.name for p in zero.iterdir() if p.is_dir()) if zero.exists() else []}
     Path(out, f"rank{env.rank}.json").write_text(json.dumps(seen))
     dist.barrier()

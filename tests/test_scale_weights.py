@@ -164,11 +164,13 @@ def worker_collectives(data: str, out: str) -> None:
     shutdown()
 
 
-def worker_weights(run_url: str, out: str, stage: int) -> None:
+def worker_weights(run_url: str, out: str, stage: int, precision: str) -> None:
     """Fine-tune init (into 48 px and 7 classes: position embeddings resampled, head replaced) and
-    eval's weight load, as rank 1 ends up with them; errors reach both ranks."""
+    eval's weight load, as rank 1 ends up with them, with the optimizer's fp32 master; errors reach
+    both ranks."""
     import deepspeed
     import torch.distributed as dist
+    from deepspeed.utils import safe_get_full_fp32_param
 
     from vitforge.core import CheckpointError
     from vitforge.trainer import build_model, load_config
@@ -179,8 +181,8 @@ def worker_weights(run_url: str, out: str, stage: int) -> None:
 
     env = detect_env()
     device = init_distributed(env)
-    cfg = load_config("tiny_cpu", [f"train.zero_stage={stage}", "model.image_size=48", "optimizer.lr=1e-6",
-                                   "optimizer.warmup_steps=0"])
+    cfg = load_config("tiny_cpu", [f"train.zero_stage={stage}", f"train.precision={precision}", "model.image_size=48",
+                                   "optimizer.lr=1e-6", "optimizer.warmup_steps=0"])
     torch.manual_seed(0)
 
     def make_model():
@@ -192,13 +194,17 @@ def worker_weights(run_url: str, out: str, stage: int) -> None:
         with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=stage == 3):
             return {k: v.detach().clone() for k, v in engine.module.named_parameters()}
 
+    def master() -> dict:  # a collective: every rank calls it
+        return {k: safe_get_full_fp32_param(v).clone() for k, v in engine.module.named_parameters()}
+
     changed = _init_from(engine, run_url, device, make_model)
-    tuned = whole()
+    tuned, tuned_master = whole(), master()
     # One step at a learning rate of 1e-6: the weights stay where fine-tuning put them (the
-    # optimizer's fp32 master copy was refreshed), not where the random initialisation was.
-    engine(torch.randn(cfg.train.micro_batch, 3, 48, 48)).sum().backward()
+    # optimizer's fp32 master copy was set), not where the random initialisation was.
+    dtype = next(engine.module.parameters()).dtype
+    engine(torch.randn(cfg.train.micro_batch, 3, 48, 48, dtype=dtype)).sum().backward()
     engine.step()
-    drift = max((v - tuned[k]).abs().max().item() for k, v in whole().items())
+    drift = max((v - tuned_master[k]).abs().max().item() for k, v in master().items())
     with tempfile.TemporaryDirectory() as scratch:
         state, described = consolidate_on_rank0(run_url, scratch)
         evaluated = build_model("vit_tiny_cpu", described.manifest["num_classes"], 32)
@@ -210,6 +216,7 @@ def worker_weights(run_url: str, out: str, stage: int) -> None:
         error = str(e)
     if dist.get_rank() == 1:
         _dump(os.path.join(out, "tuned.pt"), tuned)
+        _dump(os.path.join(out, "master.pt"), tuned_master)
         _dump(os.path.join(out, "evaluated.pt"), evaluated.state_dict())
         _dump(os.path.join(out, "weights.json"), {"changed": changed, "drift": drift, "error": error,
                                                   "rank0_state": state is not None})
@@ -236,10 +243,11 @@ def test_every_collective_takes_tensors_on_the_engines_device(data, tmp_path):
     assert report["broadcast_same"]
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_fine_tune_init_eval_and_export_move_the_same_weights(data, tmp_path, stage):
+@pytest.mark.parametrize("stage,precision", [(1, "fp32"), (2, "bf16"), (3, "bf16")])
+def test_fine_tune_init_eval_and_export_move_the_same_weights(data, tmp_path, stage, precision):
     """Bit for bit what one process consolidating the checkpoint gives (today's path, where every
-    rank consolidated): fine-tune init after adapt_state_dict, eval's model, the export."""
+    rank consolidated): fine-tune init after adapt_state_dict, eval's model, the export. Under bf16
+    the optimizer's fp32 master holds the checkpoint's fp32 values, not the module's bf16 copy."""
     from safetensors.torch import load_file
     from test_trainer import trained_run
 
@@ -247,14 +255,17 @@ def test_fine_tune_init_eval_and_export_move_the_same_weights(data, tmp_path, st
     from vitforge.trainer.export import consolidate, export
 
     run_url = str(data / "runs" / trained_run(data, stage))
-    _torchrun("weights", run_url, str(tmp_path), str(stage))
+    _torchrun("weights", run_url, str(tmp_path), str(stage), precision)
     report = json.loads((tmp_path / "weights.json").read_text())
     reference = consolidate(run_url, str(tmp_path / "scratch")).state
     adapted, changed = adapt_state_dict(reference, build_model("vit_tiny_cpu", 7, 48))
     assert report["changed"] == changed and "pos_embed 4x4 -> 6x6" in changed
     assert not report["rank0_state"]  # rank 1 held no consolidated state
     tuned = torch.load(tmp_path / "tuned.pt")
-    assert tuned.keys() == adapted.keys() and all(torch.equal(tuned[k], adapted[k]) for k in tuned)
+    assert tuned.keys() == adapted.keys() and all(torch.equal(tuned[k], adapted[k].to(tuned[k].dtype)) for k in tuned)
+    master = torch.load(tmp_path / "master.pt")
+    assert master.keys() == adapted.keys() and all(torch.equal(master[k], adapted[k]) for k in master)
+    assert precision == "fp32" or not all(torch.equal(tuned[k].float(), adapted[k]) for k in tuned)  # bf16 rounded
     assert report["drift"] < 1e-4, report["drift"]
     assert "no complete checkpoint" in report["error"]  # rank 0's error, raised on rank 1 too
     evaluated = torch.load(tmp_path / "evaluated.pt")
@@ -269,4 +280,4 @@ if __name__ == "__main__":
     if mode == "collectives":
         worker_collectives(*rest)
     else:
-        worker_weights(rest[0], rest[1], int(rest[2]))
+        worker_weights(rest[0], rest[1], int(rest[2]), rest[3])

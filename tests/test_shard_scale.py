@@ -135,6 +135,22 @@ def test_killed_while_planning_leaves_no_plan_that_looks_complete(tmp_path):
     assert [i.key for i in load_slice(store, header, 1999, 2000)[1999]] == [f"{p:09d}" for p in range(19990, 20000)]
 
 
+def test_a_planner_thought_dead_leaves_the_claim_of_the_task_that_took_over(tmp_path):
+    from vitforge.shards.build import CLAIM_NAME, _plan_claimed
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"path": f"img/{i:06d}.jpg", "label": i % 10}) + "\n" for i in range(50)))
+    job = ShardJob(str(rows), str(tmp_path / "out"), shard_samples=10, shard_bytes=None, num_parts=2)
+    store = open_store(job.dest)
+    mine = store.put_if(CLAIM_NAME, json.dumps({"part": 0, "host": "node-1", "pid": 1, "beat": 0}).encode(), None)
+    # While this task plans, another judges it dead (no renewal seen in time) and takes the claim over.
+    theirs = json.dumps({"part": 1, "host": "node-2", "pid": 1, "beat": 0}).encode()
+    store.put_if(CLAIM_NAME, theirs, mine)
+    header = _plan_claimed(job, store, mine)
+    # The claim stays the other task's (it deletes it when its own plan is written), not this one's to delete.
+    assert header.shards == 5 and store.get_versioned(CLAIM_NAME)[0] == theirs
+
+
 def test_a_waiting_task_gives_up_at_its_deadline_naming_the_planner(small_corpus, tmp_path):
     out = tmp_path / "out"
     store = open_store(str(out))

@@ -317,7 +317,9 @@ class Checkpointer:
         every full tensor and keeps its slice). Per node, with L ranks of R and U = 12 bytes per
         parameter: rank 0's node downloads the checkpoint once and converts it; every other node
         downloads about M + U*L/R under ZeRO-1/2, U under ZeRO-3, plus rank 0's state files; none
-        converts. Before, every node downloaded the whole checkpoint and converted it.
+        converts. Before, every node downloaded the whole checkpoint and converted it. A node's
+        failed fetch makes rank 0 read the published copy once against its marker: converted and
+        published again only if it is bad there, else fetched again (other jobs may be reading it).
         Host memory: the marker (one line per file) and every rank's parameter names (about P + R
         names in all) are gathered on every rank."""
         node_ranks, leader = self._node()
@@ -353,10 +355,19 @@ class Checkpointer:
             except CheckpointError as e:
                 if converted or retried:
                     raise
-                # A published copy gone bad does not condemn the checkpoint: it is converted again.
-                log.warning("the universal checkpoint beside %s is unusable: %s; converting again",
-                            self.run.object_url(tag), e)
-                marker, retried = None, True
+                retried = True
+                # A published copy gone bad does not condemn the checkpoint: it is converted again. But
+                # other jobs (an eval, a checkpoint.save=false job) may be reading it, and republishing
+                # deletes it first: so only if rank 0 finds it bad, not because one node's fetch failed
+                # (a byte flipped on its way, or another job published it anew since the marker was read).
+                marker, problems = agree(lambda: self.run.universal_problems(tag))
+                if problems:
+                    log.warning("the universal checkpoint beside %s is unusable: %s; converting again",
+                                self.run.object_url(tag), problems[0])
+                    marker = None
+                else:
+                    log.warning("fetching the universal checkpoint beside %s failed (%s), but it checks out in "
+                                "the store; fetching it again", self.run.object_url(tag), e)
 
     def _convert(self, tag: str, manifest: dict) -> str:
         """Fetch every file of `tag` to this node and run DeepSpeed's ds_to_universal on it in staging

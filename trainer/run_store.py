@@ -203,13 +203,17 @@ class RunStore:
             manifest = self.manifest(tag)
         except CheckpointError as e:
             return [str(e)]
-        present = self.step_folders().get(tag, {})
-        problems = self.listed_problems(tag, manifest, present)
-        checkable = [n for n in manifest["files"] if present.get(n) == manifest["files"][n]["bytes"]]
+        return self._problems(tag, manifest, self.step_folders().get(tag, {}))
+
+    def _problems(self, tag: str, listing: dict, present: dict[str, int]) -> list[str]:
+        """Every problem of the files `listing` (a manifest or a marker) gives for `tag`, against
+        the store's listing `present`: each file read once, at most 4 on local disk at a time."""
+        problems = self.listed_problems(tag, listing, present)
+        checkable = [n for n in listing["files"] if present.get(n) == listing["files"][n]["bytes"]]
         with tempfile.TemporaryDirectory(prefix="vitforge-verify-") as scratch:
             def check(name: str) -> str | None:
                 try:
-                    self.fetch(tag, [name], manifest, scratch)
+                    self.fetch(tag, [name], listing, scratch)
                 except CheckpointError as e:
                     return str(e)
                 finally:
@@ -234,6 +238,15 @@ class RunStore:
             log.warning("%s: not valid JSON (%s); ignored", self.object_url(f"{tag}/{UNIVERSAL_MARKER}"), e)
             return None
         return marker if isinstance(marker, dict) and isinstance(marker.get("files"), dict) else None
+
+    def universal_problems(self, tag: str) -> tuple[dict | None, list[str]]:
+        """`tag`'s published universal checkpoint as it is now: its marker (None: none, then that
+        is the problem) and every problem of its files against it (missing, size, sha256)."""
+        marker = self.universal(tag)
+        if marker is None:
+            return None, [f"{self.object_url(f'{tag}/{UNIVERSAL_MARKER}')}: missing or unreadable"]
+        present = {name.removeprefix(f"{tag}/"): size for name, size in self.store.walk(f"{tag}/{UNIVERSAL}").items()}
+        return marker, self._problems(tag, marker, present)
 
     def publish_universal(self, tag: str, folder: str, about: dict) -> dict:
         """Upload the universal checkpoint in local `folder` to `tag`/universal/, then its marker;

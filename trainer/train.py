@@ -26,7 +26,7 @@ from vitforge.pipeline import LoaderSpec, build_loader
 
 from .checkpoint import Checkpointer
 from .config import Config, ConfigError
-from .distributed import agree_keeping, detect_env, init_distributed, shutdown
+from .distributed import agree_keeping, all_ok, broadcast_state, detect_env, init_distributed, shutdown
 from .engine import build_engine, learning_rate, set_tf32
 from .export import check_fits, consolidate, consolidate_on_rank0, load_broadcast
 from .metrics import MetricsLog
@@ -416,6 +416,9 @@ def _build(cfg: Config, env, device, stop: StopRequest) -> tuple[Trainer, Checkp
         log.info("resumed %s at step %d", checkpointer.run.object_url(restored.tag), restored.step)
     else:
         metrics.resume_at(0, None)
+    # Each rank reads its shards' index files now, not at its first batch: a bad one ends every
+    # rank with its error instead of leaving the others in the next collective.
+    all_ok(lambda: [loader.prepare() for loader in (train_loader, val_loader) if loader is not None])
     return trainer, checkpointer
 
 
@@ -442,11 +445,14 @@ def _init_from(engine, source: str, device: torch.device, make_model) -> list[st
 
     One download and consolidation per job, on rank 0, which also adapts the weights to the model
     (adapt_state_dict) and checks they fit; its errors reach every rank. The weights then go into
-    the model tensor by tensor: ZeRO-3 gathers one parameter at a time and rank 0 writes it (the
-    other ranks hold no state at all); ZeRO 0-2 broadcast each tensor from rank 0 on the engine's
-    device. Per rank: rank 0 the checkpoint's fp32 state (and at ZeRO-3 one more model, the
+    the model tensor by tensor, broadcast from rank 0 on the engine's device: every rank writes its
+    part of the optimizer's fp32 master from the fp32 tensor itself (bf16 would round the module's
+    copy), and ZeRO-3 gathers one parameter at a time for the module's. Per rank: rank 0 the
+    checkpoint's fp32 state (and at ZeRO-3 one more model, the
     template adapt_state_dict reads shapes and initial values from, as build_engine builds at
     ZeRO-3); every other rank one tensor beyond the model."""
+    import deepspeed
+
     zero3 = engine.zero_optimization_stage() == 3
 
     def load() -> dict:
@@ -471,21 +477,41 @@ def _init_from(engine, source: str, device: torch.device, make_model) -> list[st
         return state, changed
 
     kept, changed = agree_keeping(load_and_adapt, lambda adapted: adapted[1])
-    state = kept[0] if kept is not None else None
-    if zero3:
-        import deepspeed
+    params = dict(engine.module.named_parameters())
+    buffers = dict(engine.module.named_buffers())
 
-        for name, param in engine.module.named_parameters():
-            with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
-                if state is not None:
-                    param.data.copy_(state[name])
-    else:
-        load_broadcast(engine.module, state, source, device)
-    # The optimizer keeps its own fp32 copy of the weights (ZeRO's master partitions), taken when the
-    # engine was built: without this the first step would train on from the random initialisation.
-    if hasattr(engine.optimizer, "refresh_fp32_params"):
-        engine.optimizer.refresh_fp32_params()
+    def receive(name: str, value: torch.Tensor) -> None:
+        if name in buffers:
+            buffers[name].copy_(value)
+            return
+        param = params[name]
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=0, enabled=zero3):
+            param.data.copy_(value)
+        # The optimizer's fp32 master (ZeRO's partitions, or bf16's fp32 copy) gets the checkpoint's
+        # values themselves, not the module's copy of them, which bf16 has rounded.
+        _set_fp32_master(param, value, zero3)
+
+    with torch.no_grad():
+        broadcast_state(kept[0] if kept is not None else None, device, receive)
     return changed
+
+
+def _set_fp32_master(param: torch.nn.Parameter, value: torch.Tensor, zero3: bool) -> None:
+    """`value`, whole on every rank, into the part of the optimizer's fp32 master that this rank
+    holds (nothing where the optimizer keeps none: the module's weights are the master)."""
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_local_fp32_param
+
+    if not zero3:
+        safe_set_full_fp32_param(param, value)
+        return
+    # DeepSpeed's full setter reads past the end of a parameter the world size does not divide (the
+    # last partition is padded), so each rank cuts its own partition, padding included.
+    size = param.ds_tensor.numel()
+    start = dist.get_rank(group=param.ds_process_group) * size
+    mine = torch.zeros(size, dtype=torch.float32, device=value.device)
+    piece = value.flatten()[start:start + size]
+    mine[:piece.numel()] = piece
+    safe_set_local_fp32_param(param, mine)
 
 
 def run_eval(cfg: Config, checkpoint_url: str, model_overrides: set[str]) -> dict:
@@ -506,6 +532,7 @@ def run_eval(cfg: Config, checkpoint_url: str, model_overrides: set[str]) -> dic
             check_model_name(model_cfg.name)
             eval_cfg = cfg.model_copy(update={"model": model_cfg})
             val_loader = build_data_loader(eval_cfg, cfg.data.val, False, env, device)
+            all_ok(val_loader.prepare)
             _check_classes(weights.manifest.get("classes"), getattr(val_loader.index, "classes", None))
             objective = weights.manifest.get("objective", "classification")
             _check_labelled(objective, val_loader)
