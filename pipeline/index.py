@@ -178,7 +178,7 @@ def load_index(dataset: str) -> DatasetIndex:
         manifest["num_classes"], labelled=manifest["num_classes"] is not None, classes=manifest.get("classes"),
         max_pixels=manifest.get("parameters", {}).get("image", {}).get("max_pixels") or Image.MAX_IMAGE_PIXELS,
         shard_sha256=[s["sha256"] for s in shards], shard_bytes=[s["bytes"] for s in shards],
-        index_text=functools.partial(_stored_text, dataset, tuple(s["index"] for s in shards)))
+        index_text=StoredIndexFiles(dataset, tuple(s["index"] for s in shards), store))
     if len(index) != manifest["totals"]["samples"]:
         raise DatasetError(f"{dataset}: its shards list {len(index)} samples, dataset.json says "
                            f"{manifest['totals']['samples']}")
@@ -187,20 +187,24 @@ def load_index(dataset: str) -> DatasetIndex:
     return index
 
 
-@functools.lru_cache(maxsize=4)
-def _store(dataset: str):
-    """One store per dataset and process: the index holds the URL, so it pickles (a loader worker
-    started by spawn or forkserver opens its own)."""
-    return open_store(dataset)
+class StoredIndexFiles:
+    """A dataset.json dataset's index files by shard number: one GET each (retried by the store).
+    Pickles without its store: a loader worker started by spawn or forkserver opens its own."""
 
+    def __init__(self, dataset: str, names: tuple[str, ...], store=None):
+        self.dataset, self.names, self.store = dataset, names, store
 
-def _stored_text(dataset: str, names: tuple[str, ...], shard: int) -> str:
-    """A dataset.json dataset's index file: one GET (retried by the store)."""
-    store = _store(dataset)
-    try:
-        return store.get_bytes(names[shard]).decode()
-    except FileNotFoundError:
-        raise DatasetError(f"{store.url(names[shard])}: index file missing (listed in dataset.json)") from None
+    def __getstate__(self) -> dict:
+        return {"dataset": self.dataset, "names": self.names, "store": None}
+
+    def __call__(self, shard: int) -> str:
+        if self.store is None:
+            self.store = open_store(self.dataset)
+        try:
+            return self.store.get_bytes(self.names[shard]).decode()
+        except FileNotFoundError:
+            raise DatasetError(f"{self.store.url(self.names[shard])}: index file missing (listed in dataset.json)") \
+                from None
 
 
 def _expand(pattern: str) -> list[str]:
