@@ -19,14 +19,14 @@ from vitforge.trainer import PEAK_FLOPS, build_model, forward_flops
 ZERO_STAGES = (0, 1, 2, 3)
 
 
-# DeepSpeed's defaults (deepspeed/runtime/zero/config.py): gradients are reduced and weights gathered
-# in buckets of reduce_bucket_size = allgather_bucket_size = 5e8 elements; ZeRO-3 gathers the
-# parameters ahead of use in coalesced all-gathers of stage3_prefetch_bucket_size = 5e7 elements
-# (partitioned_param_coordinator.py).
+# DeepSpeed's ZeRO defaults: gradients are reduced and weights gathered in buckets of
+# reduce_bucket_size = allgather_bucket_size = 5e8 elements; ZeRO-3 gathers the parameters ahead
+# of use in coalesced all-gathers of stage3_prefetch_bucket_size = 5e7 elements.
 BUCKET_ELEMENTS = 500_000_000
 PREFETCH_ELEMENTS = 50_000_000
-# NCCL's ring latency model, Simple protocol (src/graph/tuning.cc at 01afd20a): a base per
-# collective plus one hop latency per ring step, by the link the step crosses.
+# NCCL's own tuning model for its ring algorithm, Simple protocol (an older NCCL release's
+# constants; newer ones differ somewhat): a base per collective plus one hop latency per ring
+# step, by the link the step crosses.
 RING_BASE_S, NVLINK_HOP_S, NETWORK_HOP_S = 8.4e-6, 3.4e-6, 9.6e-6
 BF16, FP32 = 2, 4  # bytes per element
 
