@@ -97,7 +97,7 @@ def rank_slice(num_samples: int, rank: int = RANK):
 
 def step_index(work: Path, scale: float) -> dict:
     from vitforge.pipeline import LoaderSpec, load_index
-    from vitforge.pipeline.order import EpochOrder
+    from vitforge.pipeline.order import partition_shards_of
     from vitforge.pipeline.reader import rank_order
 
     folder = synthetic_dataset(work / f"dataset-{scale:g}", scale)
@@ -110,8 +110,7 @@ def step_index(work: Path, scale: float) -> dict:
     shards = set()
     for r in node.node_ranks():
         parts = rank_slice(len(index), r).partitions_read()
-        shards |= set(EpochOrder(index.shard_samples, spec.seed, 0, spec.shuffle_window, PAPER["ranks"],
-                                 parts).shards().tolist())
+        shards |= set(partition_shards_of(index.shard_samples, spec.seed, PAPER["ranks"], parts).tolist())
     return {"seconds": seconds, "peak_mb": peak, "rank_index_gets": len(index.loaded),
             "node_index_gets": len(shards), "samples_held": int(sum(len(s.start) for s in index.loaded.values()))}
 
@@ -136,7 +135,7 @@ def step_order(work: Path, scale: float) -> dict:
 
 def step_subset(work: Path, scale: float) -> dict:
     from vitforge.pipeline import LoaderSpec, load_index
-    from vitforge.pipeline.order import EpochOrder
+    from vitforge.pipeline.order import EpochOrder, partition_shards_of
 
     folder = synthetic_dataset(work / f"dataset-{scale:g}", scale)
     index = load_index(str(folder))
@@ -151,10 +150,11 @@ def step_subset(work: Path, scale: float) -> dict:
     peak = rss_mb() - before
     # Then the rank loads its shards' index files (the index step's cost) and picks its rows in them.
     load_start = time.perf_counter()
-    subset.load(order.shards())
+    subset.load(partition_shards_of(subset.shard_samples, spec.seed, PAPER["ranks"],
+                                    rank_slice(len(subset)).partitions_read()))
     return {"seconds": choose + order_s, "peak_mb": peak, "choose_s": choose, "order_s": order_s,
             "load_and_pick_s": time.perf_counter() - load_start, "load_peak_mb": rss_mb() - before,
-            "samples": len(subset)}
+            "samples": len(subset), "samples_held": order.samples}
 
 
 def step_node(work: Path, scale: float) -> dict:

@@ -125,10 +125,6 @@ class EpochOrder:
         """Samples whose place this order holds."""
         return sum(len(shards) for shards, _ in self._orders.values())
 
-    def shards(self) -> np.ndarray:
-        """The shards these partitions read, ascending."""
-        return np.unique(np.concatenate([shards for shards, _ in self._orders.values()] or [np.empty(0, np.int32)]))
-
     def at(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(shard, row) of the samples at these epoch positions; past the end they wrap (padding)."""
         j = np.asarray(positions, np.int64) % self.num_samples

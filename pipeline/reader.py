@@ -27,7 +27,7 @@ from . import randaugment
 from .augment import Windows, crop_windows
 from .cache import NEVER, CacheSpec, ShardCache, ShardFile, StreamedShard, cache_spec, shard_file_name
 from .index import DatasetIndex
-from .order import EpochOrder, RankSlice, shard_uses
+from .order import EpochOrder, RankSlice, partition_shards_of, shard_uses
 from .spec import LoaderSpec
 
 log = logging.getLogger("vitforge.pipeline")
@@ -267,10 +267,9 @@ def make_batch(index: DatasetIndex, reader: SampleReader, located: tuple[np.ndar
 def rank_order(index: DatasetIndex, spec: LoaderSpec, epoch: int, rank_slice: RankSlice) -> EpochOrder:
     """The epoch's order at this rank's positions, with the index of the shards they read loaded:
     made once per rank and epoch (a backend's workers share it), from the rank's partitions alone."""
-    order = EpochOrder(index.shard_samples, spec.seed, epoch, spec.shuffle_window, rank_slice.partitions,
-                       rank_slice.partitions_read())
-    index.load(order.shards())
-    return order
+    parts = rank_slice.partitions_read()
+    index.load(partition_shards_of(index.shard_samples, spec.seed, rank_slice.partitions, parts))
+    return EpochOrder(index.shard_samples, spec.seed, epoch, spec.shuffle_window, rank_slice.partitions, parts)
 
 
 def raw_batches(index: DatasetIndex, spec: LoaderSpec, epoch: int, rank_slice: RankSlice,
