@@ -15,11 +15,16 @@ $(STAMP): pyproject.toml ci/constraints.txt
 	$(PIP) install --quiet --upgrade-strategy only-if-needed -c ci/constraints.txt -e '.[dev,dali]'
 	touch $@
 
-# Debian's SLURM packages for the cluster tests (installed when root and missing).
+# Debian packages for the cluster tests (those missing, when root): SLURM; iproute2 for the multi-host
+# cluster's links; faketime for the clock-skew tests.
 system-packages:
-	@if [ "$$(id -u)" = 0 ] && ! command -v slurmctld >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then \
+	@missing=""; for pair in slurmctld:slurmctld slurmd:slurmd sbatch:slurm-client munged:munge \
+			ip:iproute2 faketime:faketime; do \
+		command -v $${pair%%:*} >/dev/null 2>&1 || missing="$$missing $${pair#*:}"; \
+	done; \
+	if [ -n "$$missing" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-			slurmctld slurmd slurm-client munge >/dev/null; \
+			$$missing >/dev/null; \
 	fi
 
 demo: setup

@@ -10,7 +10,7 @@ from dataclasses import asdict, fields
 
 from vitforge.trainer import PEAK_FLOPS
 
-from .plan import PlanInput, plan, report
+from .planner import PlanInput, plan, report
 
 HELP = {
     "model": "timm model name (or a tiny CPU one)", "image_size": "input resolution in pixels",

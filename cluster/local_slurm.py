@@ -17,6 +17,33 @@ from pathlib import Path
 from vitforge.core import free_port
 
 
+# What every private SLURM here shares (this one and the tests' multi-host cluster): root daemons
+# without authentication, no accounting, quick scheduling.
+LOCAL_SLURM_SETTINGS = """SlurmUser=root
+SlurmdUser=root
+AuthType=auth/none
+CredType=cred/none
+AuthInfo=cred_expire=10
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+MpiDefault=none
+MailProg=/bin/true
+ReturnToService=2
+InactiveLimit=0
+MinJobAge=300
+KillWait=5
+OverTimeLimit=0
+DependencyParameters=kill_invalid_depend
+# A requeued job may start 10 s later; schedule every 2 s, not 60, so it does (the loop tests wait less).
+SchedulerParameters=sched_interval=2,bf_interval=1
+"""
+
+
 def _ensure_host_resolves(host: str) -> None:
     try:
         socket.gethostbyname(host)
@@ -50,35 +77,13 @@ def start_local_slurm(folder: Path) -> dict:
 SlurmctldHost={host}(127.0.0.1)
 SlurmctldPort={free_port()}
 SlurmdPort={free_port()}
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/none
-CredType=cred/none
-AuthInfo=cred_expire=10
 StateSaveLocation={folder}/state
 SlurmdSpoolDir={folder}/spool
 SlurmctldPidFile={folder}/slurmctld.pid
 SlurmdPidFile={folder}/slurmd.pid
 SlurmctldLogFile={folder}/log/slurmctld.log
 SlurmdLogFile={folder}/log/slurmd.log
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-JobCompType=jobcomp/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-MpiDefault=none
-MailProg=/bin/true
-ReturnToService=2
-InactiveLimit=0
-MinJobAge=300
-KillWait=5
-OverTimeLimit=0
-DependencyParameters=kill_invalid_depend
-# A requeued job may start 10 s later; schedule every 2 s, not 60, so it does (the loop tests wait less).
-SchedulerParameters=sched_interval=2,bf_interval=1
-GresTypes=gpu
+{LOCAL_SLURM_SETTINGS}GresTypes=gpu
 NodeName={host} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} RealMemory={memory_mib} Gres=gpu:testgpu:2 State=UNKNOWN
 PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
 PartitionName=short Nodes={host} MaxTime=10 State=UP

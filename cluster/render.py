@@ -1,9 +1,11 @@
 """The sbatch script of a launch spec: readable, commented, and free of credentials.
 
-One task per GPU via srun; the rendezvous is the allocation's first node and a port derived
-from the job id; SLURM sends SIGUSR1 `signal_lead_s` before the time limit to every task (the
-trainer saves and exits 75); the script then requeues the job itself, up to `max_requeues`
-times, and the restarted job resumes from the newest complete checkpoint.
+One task per GPU via srun; the rendezvous is the allocation's first node (an address every node
+reaches: its `network_interface`'s, or its name as the batch host resolves it, never loopback on
+several nodes) and a port derived from the job id; SLURM sends SIGUSR1 `signal_lead_s` before the
+time limit to every task (the trainer saves and exits 75, as it does when it loses a peer node);
+the script then requeues the job itself, up to `max_requeues` times, unless a newer incarnation of
+the job already runs, and the restarted job resumes from the newest complete checkpoint.
 
 Spec values are data, never script: the schema (spec.py) keeps them on one line (and SLURM names
 to a strict character set); here each is quoted for where it lands: `sbatch_word` in #SBATCH
@@ -15,11 +17,11 @@ from __future__ import annotations
 import re
 import shlex
 
-from vitforge.trainer import Requeue
+from vitforge.core import errors
 
 from .spec import LaunchSpec
 
-REQUEUE_EXIT = Requeue.exit_code
+REQUEUE_EXIT = errors.REQUEUE
 # NCCL settings per fabric; users add or override any in `env`.
 NCCL_PRESETS = {
     "none": {},
@@ -63,6 +65,49 @@ def trainer_command(spec: LaunchSpec) -> list[str]:
     for item in overrides:
         args += ["--set", item]
     return args
+
+
+def eval_command(spec: LaunchSpec) -> list[str]:
+    """`vitforge eval` of the spec's checkpoint on its dataset, with its overrides."""
+    args = ["vitforge", "eval", spec.eval.config, "--checkpoint", spec.eval.checkpoint]
+    for item in [*spec.eval.overrides, *([f"data.val={spec.eval.dataset}"] if spec.eval.dataset else [])]:
+        args += ["--set", item]
+    return args
+
+
+def _rendezvous(spec: LaunchSpec) -> list[str]:
+    """MASTER_ADDR/MASTER_PORT for every rank. sbatch runs this script on the allocation's first node,
+    where srun's block distribution puts rank 0, so the address is found here, once, and exported:
+    an address, never a name that only some hosts resolve. Anything wrong ends the job before srun
+    with a usage error (not requeued: a requeue would fail the same way)."""
+    fail = f'{{ echo "vitforge: $1" >&2; exit {errors.USAGE}; }}'
+    several = '[ "${SLURM_JOB_NUM_NODES:-1}" -gt 1 ]'
+    lines = ["# Rendezvous: rank 0 runs on the allocation's first node, which runs this script; its address must",
+             "# be one every node reaches. The port derives from the job id (stable across requeues).",
+             f"rendezvous_fail() {fail}"]
+    iface = spec.network_interface
+    if iface:
+        quoted = shlex.quote(iface)
+        lines += [
+            f"export GLOO_SOCKET_IFNAME={quoted} NCCL_SOCKET_IFNAME={quoted}",
+            f"MASTER_ADDR=\"$(ip -4 -o addr show dev {quoted} 2>/dev/null "
+            "| awk '{split($4, a, \"/\"); print a[1]; exit}')\"",
+            f'[ -n "$MASTER_ADDR" ] || rendezvous_fail "network_interface {iface} does not exist or has no IPv4 '
+            'address on $(hostname) (it has: $(ls /sys/class/net | tr \"\\n\" \" \"))"',
+            f'case "$MASTER_ADDR" in 127.*) {several} && rendezvous_fail "network_interface {iface} on $(hostname) '
+            'is loopback ($MASTER_ADDR): other nodes cannot reach it";; esac',
+        ]
+    else:
+        lines += [
+            'first_node="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
+            "MASTER_ADDR=\"$(getent ahostsv4 \"$first_node\" | awk '{print $1; exit}')\"",
+            '[ -n "$MASTER_ADDR" ] || rendezvous_fail "node $first_node has no IPv4 address on $(hostname) '
+            '(getent ahostsv4); set network_interface in the launch spec"',
+            f'case "$MASTER_ADDR" in 127.*) {several} && rendezvous_fail "node $first_node resolves to loopback '
+            '$MASTER_ADDR on $(hostname), which other nodes cannot reach: set network_interface in the launch spec '
+            '(e.g. eth0, ib0)";; esac',
+        ]
+    return lines + ["export MASTER_ADDR", "export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))"]
 
 
 def _allocation(spec: LaunchSpec) -> list[str]:
@@ -139,23 +184,33 @@ def render(spec: LaunchSpec) -> str:
         *(f"#SBATCH {d}" for d in directives),
         "",
         "set -uo pipefail",
-        "# Rendezvous: the allocation's first node; a port derived from the job id (stable across requeues).",
-        'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
-        "export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))",
-        *_setup({**NCCL_PRESETS[spec.nccl], **spec.env}, spec.venv),
-        'echo "vitforge: job $SLURM_JOB_ID start $(date -Is) restart ${SLURM_RESTART_COUNT:-0} on $SLURM_JOB_NODELIST"',
+        *_rendezvous(spec),
+        *_setup({k: v for k, v in {**NCCL_PRESETS[spec.nccl], **spec.env}.items()
+                 if not (spec.network_interface and k == "NCCL_SOCKET_IFNAME")}, spec.venv),
+        'echo "vitforge: job $SLURM_JOB_ID start $(date -Is) restart ${SLURM_RESTART_COUNT:-0} on $SLURM_JOB_NODELIST, '
+        'rendezvous $MASTER_ADDR:$MASTER_PORT"',
         "",
         "# One task per GPU; SLURM maps SLURM_PROCID/NTASKS/LOCALID to the trainer's ranks. Rank 0 writes",
         "# its exit code to VITFORGE_EXIT_FILE: srun reports a killed straggler's code, not the trainer's.",
         f'export VITFORGE_EXIT_FILE={shlex.quote(f"{spec.log_dir}/.exit-")}"$SLURM_JOB_ID"',
         'rm -f "$VITFORGE_EXIT_FILE"',
-        f"{shlex.join(srun)} \\\n    {shlex.join(trainer_command(spec))}",
+        f"{shlex.join(srun)} \\\n    {shlex.join(trainer_command(spec) if spec.train else eval_command(spec))}",
         "code=$?",
         '[ -s "$VITFORGE_EXIT_FILE" ] && code=$(cat "$VITFORGE_EXIT_FILE") && rm -f "$VITFORGE_EXIT_FILE"',
         "",
         f"# {REQUEUE_EXIT}: the trainer stopped on SIGUSR1/SIGTERM or its time budget after a complete",
-        "# checkpoint. Requeue (the restarted job resumes it), at most max_requeues times.",
+        "# checkpoint, or lost a peer node in a collective (nothing written since the newest complete",
+        "# checkpoint). Requeue (the restarted job resumes it), at most max_requeues times, and only while",
+        "# SLURM still runs this incarnation: a stale copy cut off by a network partition, whose job SLURM",
+        "# already requeued elsewhere, must not requeue the newer one when its link returns.",
         f"if [ $code -eq {REQUEUE_EXIT} ]; then",
+        "    current=\"$(scontrol show job -o \"$SLURM_JOB_ID\" 2>/dev/null | grep -oE '(Restarts|RestartCnt)=[0-9]+' "
+        "| head -n 1 | cut -d= -f2)\"",
+        '    if [ "$current" != "${SLURM_RESTART_COUNT:-0}" ]; then',
+        '        echo "vitforge: job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0} is stale (SLURM runs restart '
+        '${current:-unknown}): a newer incarnation runs; not requeueing"',
+        "        exit $code",
+        "    fi",
         f"    if [ \"${{SLURM_RESTART_COUNT:-0}}\" -lt {spec.max_requeues} ]; then",
         '        echo "vitforge: requeueing job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0})"',
         '        scontrol requeue "$SLURM_JOB_ID"',

@@ -38,6 +38,9 @@ Constraint = _whole(r"[A-Za-z0-9_.:&|,\[\]*()!-]+",
                     "node features (letters, digits, '_', '.', '-', ':') joined by SLURM's & | , [ ] * ( ) ! only")
 SlurmTime = _whole(r"(\d+-)?\d{1,2}(:\d{2}){0,2}", "expected a SLURM time such as 04:00:00 or 2-00:00:00")
 SlurmSize = _whole(r"\d+[KMGT]?", "expected a SLURM size such as 900G, 64000 (MB) or 2T")
+# Linux interface names: at most 15 characters (IFNAMSIZ), no '/', ':' or whitespace.
+InterfaceName = _whole(r"[A-Za-z0-9_.-]{1,15}", "an interface name such as eth0 or ib0: at most 15 letters, digits, "
+                       "'_', '.', '-'")
 EnvName = _whole(r"[A-Za-z_][A-Za-z0-9_]*", "a variable name: letters, digits and '_', not starting with a digit")
 # Paths and free values: anything on one line (a line break would end a #SBATCH block or a shell
 # word's line, NUL cannot be in a script); they are shell-quoted wherever they are written.
@@ -74,6 +77,17 @@ class TrainJob(Strict):
     """Sets data.train."""
     checkpoint_dir: Text | None = None
     """Sets checkpoint.dir (s3:// for runs that survive any node)."""
+
+
+class EvalJob(Strict):
+    config: Text
+    """A trainer recipe name or YAML path, as `vitforge eval` takes it (the model comes from the checkpoint)."""
+    checkpoint: Text
+    """A run (DIR/RUN: its newest complete checkpoint) or one checkpoint (DIR/RUN/step_N), local or s3://."""
+    dataset: Text | None = None
+    """Sets data.val, the set evaluated."""
+    overrides: list[Text] = []
+    """KEY=VALUE overrides (`--set`), e.g. [data.micro_batch=64]."""
 
 
 class ShardArray(Strict):
@@ -125,8 +139,15 @@ class LaunchSpec(Strict):
     inherits them instead)."""
     nccl: Literal["none", "infiniband", "efa", "roce"] = "none"
     """The interconnect's NCCL settings."""
+    network_interface: InterfaceName | None = None
+    """The interface the ranks talk over, e.g. "eth0" or "ib0": exported as GLOO_SOCKET_IFNAME and
+    NCCL_SOCKET_IFNAME, and the rendezvous address is its IPv4 address on the first node. None: the
+    first node's name as `getent ahostsv4` resolves it (refused when that is loopback on a multi-node
+    job). A name some node lacks fails the job before training."""
     train: TrainJob | None = None
-    """A training job (give exactly one of train and shard)."""
+    """A training job (give exactly one of train, eval and shard)."""
+    eval: EvalJob | None = None
+    """An evaluation of a checkpoint (`vitforge eval`) on every rank of the allocation."""
     shard: ShardArray | None = None
     """A sharding job array plus a dependent merge job."""
     max_requeues: int = Field(10, ge=0)
@@ -148,8 +169,8 @@ class LaunchSpec(Strict):
 
     @model_validator(mode="after")
     def _one_job(self):
-        if (self.train is None) == (self.shard is None):
-            raise ValueError("give exactly one of train: or shard:")
+        if sum(job is not None for job in (self.train, self.eval, self.shard)) != 1:
+            raise ValueError("give exactly one of train:, eval: or shard:")
         memory = [k for k in ("mem_per_node", "mem_per_cpu", "mem_per_gpu") if getattr(self, k) is not None]
         if len(memory) > 1:
             raise ValueError(f"{' and '.join(memory)}: give at most one (SLURM takes one memory request)")
@@ -157,6 +178,9 @@ class LaunchSpec(Strict):
             raise ValueError("mem_per_gpu: the spec requests no GPUs (gpus_per_node is 0)")
         if self.gpu_type and not self.gpus_per_node:
             raise ValueError("gpu_type: the spec requests no GPUs (gpus_per_node is 0)")
+        both = [k for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if k in self.env]
+        if self.network_interface and both:
+            raise ValueError(f"env.{both[0]} and network_interface: give one (network_interface sets both variables)")
         return self
 
     @property

@@ -123,6 +123,20 @@ def train(data, run: str, *overrides: str, nproc: int = 2, check: bool = True, s
     return result
 
 
+# The uninterrupted reference of the exact-resume tests: every run stopped and resumed with these
+# settings must end equal to it, losses and weights.
+STRAIGHT = ["train.steps=24", "train.log_every=1", "train.checkpoint_every=6", "data.val=null",
+            "checkpoint.keep_last=10"]
+
+
+@pytest.fixture(scope="session")
+def straight(data):
+    """The reference run (STRAIGHT: 24 steps, 2 ranks, ZeRO-2, local folder), trained once per
+    session for every test that compares with it or needs a finished run."""
+    train(data, "straight", *STRAIGHT)
+    return data / "runs" / "straight"
+
+
 def start_ranks(data, run: str, *overrides: str, nproc: int = 2, store: str | None = None,
                 env: dict | None = None) -> list[subprocess.Popen]:
     """The ranks as srun starts them: one plain process each, RANK/WORLD_SIZE/MASTER_* set, so a
@@ -171,6 +185,23 @@ def slurm(tmp_path_factory):
         pytest.fail(str(e))
     yield env
     stop_local_slurm(env)
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory):
+    """ctl (slurmctld, the login host), store (S3) and node1..node3 (a slurmd each): separate hosts
+    made of Linux namespaces (tests/cluster_harness.py), built once and shared by every multi-host test."""
+    import cluster_harness
+
+    why = cluster_harness.missing()
+    if why:
+        pytest.skip(f"no multi-host cluster here: {why}")
+    cluster_harness.down_orphans(tmp_path_factory.getbasetemp().parent)  # from sessions killed mid-way
+    built = cluster_harness.up(3, tmp_path_factory.mktemp("cluster"))
+    try:
+        yield built
+    finally:
+        cluster_harness.down(built)
 
 
 def losses(folder) -> dict[int, float]:

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import vitforge
 from vitforge.cluster import PlanInput, plan
-from vitforge.cluster.plan import (checkpoint_bytes_per_rank, intervals_within, lost_fraction, throughput,
+from vitforge.cluster.planner import (checkpoint_bytes_per_rank, intervals_within, lost_fraction, throughput,
                                    write_seconds, young_daly_interval)
 from vitforge.core import errors
 
@@ -53,6 +53,8 @@ def test_plan_figures_agree_with_each_other():
     assert result["gpu_hours"] == pytest.approx(10 * result["epoch_hours"] * 8)
     assert result["decode_cores_per_node_cpu"] == pytest.approx(4 * per_gpu * 2.3e-3)
     assert result["shards"] == 100 and result["shard_images"] == 10_000
+    # Each node's ranks read adjacent partitions: half the shards plus the one cut in two at the seam.
+    assert result["egress_bytes_per_node_per_epoch"] == 51 * 10**9
     assert result["store_gets_per_s"] == pytest.approx(8 * per_gpu * 100_000 / (8 << 20))
     assert result["job_mtbf_hours"] == 500
     assert abs(result["parameters"] - 86.57e6) / 86.57e6 < 0.01

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from vitforge.cluster import PlanInput, plan, report
-from vitforge.cluster.plan import (ModelFacts, accumulation, comm_bandwidth, comm_bytes_per_rank, exposed_seconds,
+from vitforge.cluster.planner import (ModelFacts, accumulation, comm_bandwidth, comm_bytes_per_rank, exposed_seconds,
                                    host_bytes_per_rank, intervals_within, lost_fraction, node_read_bandwidth,
                                    restart_seconds, restore_bytes_per_node, ring_collectives, ring_latency)
 from vitforge.core import UsageError

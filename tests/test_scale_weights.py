@@ -249,12 +249,12 @@ def test_fine_tune_init_eval_and_export_move_the_same_weights(data, tmp_path, st
     rank consolidated): fine-tune init after adapt_state_dict, eval's model, the export. Under bf16
     the optimizer's fp32 master holds the checkpoint's fp32 values, not the module's bf16 copy."""
     from safetensors.torch import load_file
-    from test_trainer import trained_run
+    from test_trainer import zero_run
 
     from vitforge.trainer import adapt_state_dict, build_model
     from vitforge.trainer.export import consolidate, export
 
-    run_url = str(data / "runs" / trained_run(data, stage))
+    run_url = str(data / "runs" / zero_run(data, stage))
     _torchrun("weights", run_url, str(tmp_path), str(stage), precision)
     report = json.loads((tmp_path / "weights.json").read_text())
     reference = consolidate(run_url, str(tmp_path / "scratch")).state

@@ -93,11 +93,18 @@ def test_position_embeddings_interpolate_for_higher_resolution():
     assert torch.nn.functional.cosine_similarity(a.flatten(1), b.flatten(1)).min() > 0.99
 
 
+def zero_run(data, stage: int) -> str:
+    """A finished 60-step run of ZeRO-`stage` on 2 ranks, evaluated at its end, made once per test
+    session and shared by the tests that need one: its name under data/runs."""
+    run = f"zero{stage}"
+    if not (data / "runs" / run).exists():
+        train(data, run, f"train.zero_stage={stage}", "train.steps=60", "train.eval_every=60", "train.log_every=1")
+    return run
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_stages_learn(data, stage):
-    train(data, f"zero{stage}", f"train.zero_stage={stage}", "train.steps=60", "train.eval_every=60",
-          "train.log_every=1")
-    history = losses(data, f"zero{stage}")
+    history = losses(data, zero_run(data, stage))
     first, last = history[1], sum(history[s] for s in range(51, 61)) / 10
     assert last < 0.5 * first, (first, last)
     final = metrics(data, f"zero{stage}")[-1]
@@ -113,17 +120,11 @@ def test_zero_stages_learn(data, stage):
             set(events.Tags()["scalars"])
 
 
-def trained_run(data, stage: int) -> str:
-    """A finished 6-step run of ZeRO-`stage` on 2 ranks (no eval), made once per test session and
-    shared by the tests that need one: its name under data/runs."""
-    run = f"agree{stage}"
-    if not (data / "runs" / run).exists():
-        train(data, run, f"train.zero_stage={stage}", "train.steps=6", "train.log_every=1", "data.val=null")
-    return run
-
-
 def test_stages_agree_and_match_plain_pytorch(data):
-    one, two, three = (losses(data, trained_run(data, s)) for s in (1, 2, 3))
+    """The first 6 steps of each stage's run: warm-up (10 steps), whose learning rate does not
+    depend on the run's length, so a 6-step run without DeepSpeed must give the same losses."""
+    one, two, three = ({s: v for s, v in losses(data, zero_run(data, stage)).items() if s <= 6} for stage in (1, 2, 3))
+    assert sorted(one) == list(range(1, 7))
     assert one == two  # ZeRO-1 and ZeRO-2 compute the same thing, bit for bit on CPU
     assert all(abs(one[s] - three[s]) < 1e-4 for s in one), (one, three)
     reference = _plain_pytorch_losses(data, steps=6)
@@ -157,21 +158,6 @@ def _plain_pytorch_losses(data, steps: int) -> list[float]:
     return result
 
 
-def test_resume_is_exact(data):
-    train(data, "straight", "train.steps=24", "train.log_every=1", "train.checkpoint_every=12", "data.val=null")
-    train(data, "resumed", "train.steps=24", "train.log_every=1", "train.checkpoint_every=12", "data.val=null",
-          "train.stop_at=12")
-    assert (data / "runs" / "resumed" / "latest").read_text() == "step_00000012"
-    result = train(data, "resumed", "train.steps=24", "train.log_every=1", "train.checkpoint_every=12",
-                   "data.val=null")
-    assert "resumed" in result.stderr and "at step 12" in result.stderr
-    assert losses(data, "resumed") == losses(data, "straight")
-    a, b = final_weights(data, "straight"), final_weights(data, "resumed")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    manifest = json.loads((data / "runs" / "resumed" / "step_00000024" / "manifest.json").read_text())
-    assert manifest["world_size"] == 2 and "rank1_state.pt" in manifest["files"]
-
-
 def test_gradient_accumulation_matches_a_bigger_micro_batch(data):
     train(data, "micro8", "train.micro_batch=8", "train.global_batch=16", "train.steps=5", "train.log_every=1",
           "data.val=null")
@@ -182,11 +168,9 @@ def test_gradient_accumulation_matches_a_bigger_micro_batch(data):
 
 
 def test_eval_and_fine_tune_at_higher_resolution(data):
-    if not (data / "runs" / "zero2").exists():
-        test_zero_stages_learn(data, 2)
-    result = vitforge("eval", "tiny_cpu", "--checkpoint", data / "runs" / "zero2", "--set",
-                      f"data.train={data / 'train'}", "--set", f"data.val={data / 'val'}", "--set", "data.backend=torch",
-                      "--set", "data.workers=0", env=EXTENSIONS)
+    result = vitforge("eval", "tiny_cpu", "--checkpoint", data / "runs" / zero_run(data, 2), "--set",
+                      f"data.train={data / 'train'}", "--set", f"data.val={data / 'val'}", "--set",
+                      "data.backend=torch", "--set", "data.workers=0", env=EXTENSIONS)
     evaluated = json.loads(result.stdout.strip().splitlines()[-1])
     assert evaluated["eval_top1"] == pytest.approx(metrics(data, "zero2")[-1]["eval_top1"])
     tuned = train(data, "finetune", "model.image_size=48", "optimizer.name=sgd", "optimizer.lr=0.01",
@@ -261,23 +245,22 @@ def test_zero3_bf16_with_activation_checkpointing(data):
     assert metrics(data, "z3bf16")[-1]["eval_top1"] > 0.2
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_resume_at_another_world_size(data, stage):
-    """Saved by 2 ranks, resumed by 1 through DeepSpeed's universal checkpoint: the same samples
-    and (to float tolerance: accumulation sums in another order) the same losses as 2 ranks."""
+def test_resume_at_another_world_size(data):
+    """Saved by 2 ranks with ZeRO-3, resumed by 1 through DeepSpeed's universal checkpoint: the same
+    samples and (to float tolerance: accumulation sums in another order) the same losses as 2 ranks.
+    (ZeRO-2, through the S3 store: test_checkpoint.)"""
     common = ["train.steps=24", "train.log_every=1", "train.checkpoint_every=12", "data.val=null",
-              f"train.zero_stage={stage}"]
-    if not (data / "runs" / f"ws{stage}_straight").exists():
-        train(data, f"ws{stage}_straight", *common)
-    train(data, f"ws{stage}_moved", *common, "train.stop_at=12")
-    result = train(data, f"ws{stage}_moved", *common, nproc=1)
+              "train.zero_stage=3"]
+    train(data, "ws3_straight", *common)
+    train(data, "ws3_moved", *common, "train.stop_at=12")
+    result = train(data, "ws3_moved", *common, nproc=1)
     assert "at step 12" in result.stderr
     assert "to a universal checkpoint" in result.stderr
-    assert not (data / "runs" / f"ws{stage}_moved" / "step_00000012_universal").exists()  # converted in staging
-    straight, moved = losses(data, f"ws{stage}_straight"), losses(data, f"ws{stage}_moved")
+    assert not (data / "runs" / "ws3_moved" / "step_00000012_universal").exists()  # converted in staging
+    straight, moved = losses(data, "ws3_straight"), losses(data, "ws3_moved")
     assert moved.keys() == straight.keys()
     assert all(abs(moved[s] - straight[s]) < 1e-3 for s in moved), (straight, moved)
-    a, b = final_weights(data, f"ws{stage}_straight"), final_weights(data, f"ws{stage}_moved")
+    a, b = final_weights(data, "ws3_straight"), final_weights(data, "ws3_moved")
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-3
 
 

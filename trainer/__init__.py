@@ -2,11 +2,12 @@
 checkpoints in object storage that survive preemption."""
 
 from .config import Config, ConfigError, load_config
+from .distributed import PeerWatch, check_socket_interfaces
 from .model import (PAPER_PARAMETERS, PEAK_FLOPS, TINY_MODELS, adapt_state_dict, build_model, check_model_name,
                     forward_flops, parameter_count)
 from .run_store import RunStore, tag_for
-from .train import Requeue, Trainer, run, run_eval
+from .train import PeerLost, Requeue, Trainer, run, run_eval
 
-__all__ = ["Config", "ConfigError", "PAPER_PARAMETERS", "PEAK_FLOPS", "Requeue", "RunStore", "TINY_MODELS", "Trainer",
-           "adapt_state_dict", "build_model", "check_model_name", "forward_flops", "load_config", "parameter_count",
-           "run", "run_eval", "tag_for"]
+__all__ = ["Config", "ConfigError", "PAPER_PARAMETERS", "PEAK_FLOPS", "PeerLost", "PeerWatch", "Requeue", "RunStore",
+           "TINY_MODELS", "Trainer", "adapt_state_dict", "build_model", "check_model_name", "check_socket_interfaces",
+           "forward_flops", "load_config", "parameter_count", "run", "run_eval", "tag_for"]

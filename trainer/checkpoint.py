@@ -40,6 +40,7 @@ from .distributed import agree, all_ok
 from .run_store import LATEST, MANIFEST, MANIFEST_VERSION, METRICS, RECEIPTS, UNIVERSAL, Lease, RunStore, tag_for
 
 log = logging.getLogger("vitforge.checkpoint")
+CLAIM_SLICE_S = 2.0  # the longest one collective waits while rank 0 watches another job's lease
 RANK_FILE = re.compile(r"(?:zero_pp_rank_|^rank)(\d+)_")
 
 
@@ -165,9 +166,15 @@ class Checkpointer:
 
     # -- ownership ---------------------------------------------------------------------------
     def claim(self) -> None:
-        """Rank 0 takes the run's lease and cleans what dead attempts left; all ranks get its verdict."""
+        """Rank 0 takes the run's lease and cleans what dead attempts left; all ranks get its verdict.
+        Judging another job's holder takes up to a lease period of watching: rank 0 watches in
+        slices, so no collective waits for it longer than one slice (collective_timeout_s may be short)."""
+        while True:
+            taken, note = agree(lambda: self.lease.try_acquire(CLAIM_SLICE_S))
+            if taken:
+                break
+
         def take():
-            note = self.lease.acquire()
             if note:
                 log.warning("%s", note)
             incomplete, aborted = self.run.clean_incomplete()
@@ -240,10 +247,13 @@ class Checkpointer:
         files = {name: meta for r in sorted(receipts) for name, meta in receipts[r]["files"].items()}
         manifest = {"manifest_version": MANIFEST_VERSION, "created_by": f"vitforge {__version__}",
                     "versions": _versions(), "files": dict(sorted(files.items())), **manifest}
+        # Ownership checked before the checkpoint comes to exist (its manifest) and again right before
+        # `latest` moves: a copy that lost the run to a requeued incarnation writes neither.
+        self.lease.refresh()
         self.run.put_bytes(f"{tag}/{MANIFEST}", json.dumps(manifest, indent=1, sort_keys=True).encode())
         if metrics:
             self.run.upload(metrics, METRICS)
-        self.lease.refresh()  # ownership checked right before `latest` moves
+        self.lease.refresh()
         self.run.put_bytes(LATEST, tag.encode())
         deleted = self.run.retention(self.keep_last, self.keep_every, tag)
         log.info("checkpoint %s complete%s", self.run.object_url(tag),

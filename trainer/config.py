@@ -186,6 +186,11 @@ class TrainConfig(Strict):
     max_minutes: float | None = Field(None, gt=0)
     """End this invocation cleanly (checkpoint, then exit code 75) after this many minutes, e.g. a
     little under the scheduler's time limit (`vitforge submit` sets it from the spec's time)."""
+    collective_timeout_s: float = Field(600, gt=0)
+    """Seconds the rendezvous and each collective wait for a peer. On gloo a node lost mid-run then
+    ends the surviving ranks with exit code 75 and its host's name instead of a hang (on NCCL the
+    watchdog may abort them first). Longer than the longest legitimate wait inside one, e.g. the
+    barrier after a checkpoint while the slowest rank uploads."""
     max_nonfinite: int = Field(1, ge=1)
     """Consecutive steps with a non-finite loss or gradient norm before the run stops (exit code 5)."""
     seed: int = 0
@@ -213,7 +218,8 @@ class CheckpointConfig(Strict):
     keep_every: int | None = Field(None, ge=1)
     """Also keep every checkpoint whose step is a multiple of this."""
     lease_minutes: float = Field(10.0, gt=0)
-    """A run is owned by one job at a time; a lease not refreshed for this long may be taken over."""
+    """A run is owned by one job at a time; another job takes it over only after watching its lease
+    unchanged this long (on its own monotonic clock, never comparing hosts' wall clocks)."""
     upload_timeout_minutes: float = Field(60.0, gt=0)
     """Rank 0 waits this long for every rank's upload."""
 

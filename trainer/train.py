@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import re
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from vitforge.pipeline import LoaderSpec, build_loader
 
 from .checkpoint import Checkpointer
 from .config import Config, ConfigError
-from .distributed import agree_keeping, all_ok, broadcast_state, detect_env, init_distributed, shutdown
+from .distributed import PeerWatch, agree_keeping, all_ok, broadcast_state, detect_env, init_distributed, shutdown
 from .engine import build_engine, learning_rate, set_tf32
 from .export import check_fits, consolidate, consolidate_on_rank0, load_broadcast
 from .metrics import MetricsLog
@@ -44,6 +45,13 @@ class Requeue(VitforgeError):
 
     exit_code = exit_codes.REQUEUE
     kind = "stopped for requeue"
+
+
+class PeerLost(Requeue):
+    """A collective failed because a node stopped answering (killed, cut off): nothing was saved
+    after the newest complete checkpoint; run again (a SLURM job requeues) on healthy nodes."""
+
+    kind = "lost a peer node"
 
 
 def peak_flops(device: torch.device) -> float | None:
@@ -329,11 +337,12 @@ def run(cfg: Config) -> dict:
     stop = StopRequest(cfg.train.max_minutes)
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: die with the agent, never orphaned
         die_with_parent(os.getppid())
-    checkpointer = None
+    checkpointer = peers = None
     ok = False
     try:
         try:
-            device = init_distributed(env)
+            device = init_distributed(env, cfg.train.collective_timeout_s)
+            peers = PeerWatch(env, cfg.train.collective_timeout_s)
             set_tf32(device, cfg.train.tf32)
             trainer, checkpointer = _build(cfg, env, device, stop)
         except Exception as e:
@@ -347,7 +356,18 @@ def run(cfg: Config) -> dict:
     except Requeue:
         ok = checkpointer is not None  # every rank agreed to stop and the checkpoint is complete: leave together
         raise
+    except RuntimeError as e:  # what a failed collective raises; with every peer alive it stays an error
+        lost = peers.lost() if peers is not None and not isinstance(e, VitforgeError) else []
+        if lost:
+            # gloo prefixes its source location: "[.../unbound_buffer.cc:78] Timed out waiting 8000ms ..."
+            first = re.sub(r"^\[[^\]]*\] ", "", (str(e).strip() or type(e).__name__).splitlines()[0])
+            raise PeerLost(f"lost contact with {', '.join(lost)} during a collective: {first}; no checkpoint "
+                           "written since the newest complete one: run again (a SLURM job requeues) to resume "
+                           "from it") from e
+        raise
     finally:
+        if peers is not None:
+            peers.close()
         if checkpointer is not None:
             try:
                 checkpointer.release()
@@ -520,7 +540,7 @@ def run_eval(cfg: Config, checkpoint_url: str, model_overrides: set[str]) -> dic
     if not cfg.data.val:
         raise ConfigError("data.val is not set: nothing to evaluate on (--set data.val=...)")
     env = detect_env()
-    device = init_distributed(env)
+    device = init_distributed(env, cfg.train.collective_timeout_s)
     set_tf32(device, cfg.train.tf32)
     ok = False
     try:

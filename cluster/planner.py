@@ -257,6 +257,14 @@ def shards_per_rank(shards: int, ranks: int) -> int:
     return math.ceil(shards / ranks)
 
 
+def shards_per_node(shards: int, nodes: int) -> int:
+    """Shards one node fetches per epoch through its cache: its ranks read adjacent partitions, one
+    contiguous 1/nodes of the layout, which a cut at an arbitrary sample spreads over at most one
+    shard more than its share: min(shards, ceil(shards / nodes) + 1); the shards at its two ends
+    are fetched by both neighbouring nodes."""
+    return min(shards, math.ceil(shards / nodes) + 1)
+
+
 def restart_seconds(index_bytes_per_node: float, restore_bytes: float, read_bandwidth: float,
                     warmup_s: float) -> dict:
     """Time from a failure's requeue to the first step again: the node's ranks' shard indexes
@@ -348,6 +356,7 @@ def plan(inputs: PlanInput) -> dict:
         "dataset_bytes": dataset_bytes, "shards": shards, "shard_images": shard_images,
         "shards_per_rank": rank_shards,
         "store_gets_per_s": gets, "store_read_bytes_per_s": bytes_per_s, "egress_bytes_per_epoch": dataset_bytes,
+        "egress_bytes_per_node_per_epoch": shards_per_node(shards, inputs.nodes) * inputs.shard_bytes,
         "steps": steps, "compute_s_per_step": compute_s, "micro_steps": micro_steps, "comm_bandwidth": bandwidth,
         "ring_latency_s": ring_latency(gpus, inputs.nodes), "node_read_bandwidth": read_bandwidth,
         "index_bytes_per_node": index_bytes_per_node,
@@ -381,7 +390,7 @@ def report(inputs: PlanInput, result: dict) -> str:
         f"  object store: {result['store_gets_per_s']:,.0f} GET/s "
         f"({'one per sample' if not inputs.read_block_bytes else f'{inputs.read_block_bytes / 2**20:.0f} MiB reads'}), "
         f"{result['store_read_bytes_per_s'] / 1e9:,.2f} GB/s, {result['egress_bytes_per_epoch'] / 1e12:,.2f} TB "
-        "egress per epoch",
+        f"egress per epoch, at most {result['egress_bytes_per_node_per_epoch'] / 1e9:,.2f} GB per node",
         f"  step: {inputs.global_batch:,} images ({result['micro_steps']} micro-step(s) of <= {inputs.micro_batch} "
         f"per GPU), {result['compute_s_per_step'] * 1e3:,.1f} ms of compute; {result['steps']:,.0f} steps",
         f"  communication at {result['comm_bandwidth'] / 1e9:g} GB/s per rank "
