@@ -169,7 +169,9 @@ def render(spec: LaunchSpec) -> str:
         *([_option("gpus-per-node", f"{spec.gpu_type + ':' if spec.gpu_type else ''}{spec.gpus_per_node}")]
           if spec.gpus_per_node else []),
         *_allocation(spec),
-        "--requeue", f"--signal=USR1@{spec.signal_lead_s}", "--open-mode=append", _log(spec.log_dir, "%x-%j.out"),
+        # An eval has nothing to save: no pre-limit signal, which would only kill it.
+        "--requeue", *([f"--signal=USR1@{spec.signal_lead_s}"] if spec.train else []), "--open-mode=append",
+        _log(spec.log_dir, "%x-%j.out"),
     ]
     srun = ["srun", "--kill-on-bad-exit=1", f"--ntasks-per-node={spec.ntasks_per_node}"]
     if spec.container:
@@ -192,7 +194,7 @@ def render(spec: LaunchSpec) -> str:
         "",
         "# One task per GPU; SLURM maps SLURM_PROCID/NTASKS/LOCALID to the trainer's ranks. Rank 0 writes",
         "# its exit code to VITFORGE_EXIT_FILE: srun reports a killed straggler's code, not the trainer's.",
-        f'export VITFORGE_EXIT_FILE={shlex.quote(f"{spec.log_dir}/.exit-")}"$SLURM_JOB_ID"',
+        f'export VITFORGE_EXIT_FILE={shlex.quote(f"{spec.log_dir}/.exit-")}"$SLURM_JOB_ID-${{SLURM_RESTART_COUNT:-0}}"',
         'rm -f "$VITFORGE_EXIT_FILE"',
         f"{shlex.join(srun)} \\\n    {shlex.join(trainer_command(spec) if spec.train else eval_command(spec))}",
         "code=$?",
@@ -204,9 +206,13 @@ def render(spec: LaunchSpec) -> str:
         "# SLURM still runs this incarnation: a stale copy cut off by a network partition, whose job SLURM",
         "# already requeued elsewhere, must not requeue the newer one when its link returns.",
         f"if [ $code -eq {REQUEUE_EXIT} ]; then",
-        "    current=\"$(scontrol show job -o \"$SLURM_JOB_ID\" 2>/dev/null | grep -oE '(Restarts|RestartCnt)=[0-9]+' "
-        "| head -n 1 | cut -d= -f2)\"",
-        '    if [ "$current" != "${SLURM_RESTART_COUNT:-0}" ]; then',
+        "    for try in 1 2 3; do",
+        "        current=\"$(scontrol show job -o \"$SLURM_JOB_ID\" 2>/dev/null "
+        "| grep -oE '(Restarts|RestartCnt)=[0-9]+' | head -n 1 | cut -d= -f2)\"",
+        '        [ -n "$current" ] && break; sleep 5',
+        "    done",
+        "    # Unreadable (slurmctld busy): requeue; a copy that is really cut off cannot requeue anyway.",
+        '    if [ -n "$current" ] && [ "$current" -gt "${SLURM_RESTART_COUNT:-0}" ]; then',
         '        echo "vitforge: job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0} is stale (SLURM runs restart '
         '${current:-unknown}): a newer incarnation runs; not requeueing"',
         "        exit $code",

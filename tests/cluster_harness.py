@@ -238,6 +238,8 @@ class Cluster:
 
     def _command(self, host: str, args, cwd) -> list[str]:
         h = self.hosts[host]
+        if _start_time(h.pid) != h.start:  # its holder is gone and the PID may be another process's now
+            raise HostCommandError(f"host {host} is gone (its holder, pid {h.pid}, no longer runs)")
         return ["nsenter", "-t", str(h.pid), "-n", "-u", "-m", "-i", f"--wd={cwd}", "--", *map(str, args)]
 
     def _env(self, env: dict | None) -> dict:
@@ -488,9 +490,9 @@ SlurmdPidFile={folder}/hosts/%n/slurmd.pid
 SlurmctldLogFile={folder}/log/slurmctld.log
 SlurmdLogFile={folder}/log/slurmd.%n.log
 TaskProlog={folder}/task_prolog.sh
-# A dead node is noticed in about 10 s, its jobs requeued; it serves again once its slurmd registers.
-SlurmdTimeout=10
-MessageTimeout=10
+# A dead node is noticed in about 5 s, its jobs requeued; it serves again once its slurmd registers.
+SlurmdTimeout=5
+MessageTimeout=5
 JobRequeue=1
 # Every host shares this machine's 2 cores; 4 declared CPUs (trusted, not probed) let one node run a 4-rank job.
 SlurmdParameters=config_overrides

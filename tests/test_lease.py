@@ -171,3 +171,22 @@ def test_a_requeued_incarnation_takes_over_at_once_and_its_stale_self_is_fenced(
     free = other.ask("acquire")  # a released lease is taken at once, by any job
     assert free["ok"] is None and free["waited"] < PERIOD / 2, free
     assert (record(run_url)["host"], record(run_url)["state"]) == ("node-c", "held")
+
+
+def test_a_lease_write_whose_reply_was_lost_is_kept_not_taken_for_a_lost_run(tmp_path):
+    from vitforge.core import StorageError
+    from vitforge.trainer.run_store import HELD, LEASE, Lease, RunStore
+
+    lease = Lease(RunStore(str(tmp_path / "run")), PERIOD / 60, me={"job": "a", "incarnation": 0, "host": "h",
+                                                                      "pid": 1})
+    lease.acquire()
+    # The next beat lands but its reply is lost: the store holds it, the lease still has the old version
+    # (what a client's retry of a landed conditional PUT then sees: 412).
+    landed = {**lease.me, "state": HELD, "beat": lease.beats + 1, "lease_s": lease.seconds, "written_at": "then"}
+    lease.run.store.put_bytes(LEASE, json.dumps(landed).encode())
+    lease.refresh()
+    assert lease.version == lease.run.store.get_versioned(LEASE)[1] and not lease.lost
+    # Another job's record there instead: the run is lost.
+    lease.run.store.put_bytes(LEASE, json.dumps({**landed, "job": "b", "beat": lease.beats + 1}).encode())
+    with pytest.raises(StorageError, match="lost ownership"):
+        lease.refresh()

@@ -115,8 +115,8 @@ def test_hostile_free_values_render_as_exact_shell_words_and_a_complete_sbatch_b
     assert shlex.split(next(x for x in lines if x.startswith("export VF_VALUE="))) == ["export", f"VF_VALUE={text}"]
     assert shlex.split(next(x for x in lines if x.startswith("source "))) == ["source", f"{spec.venv}/bin/activate"]
     exit_file = next(x for x in lines if x.startswith("export VITFORGE_EXIT_FILE="))
-    assert shlex.split(exit_file.replace('"$SLURM_JOB_ID"', "7")) == \
-        ["export", f"VITFORGE_EXIT_FILE={spec.log_dir}/.exit-7"]  # only the job id is expanded
+    assert shlex.split(exit_file.replace('"$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}"', "7-0")) == \
+        ["export", f"VITFORGE_EXIT_FILE={spec.log_dir}/.exit-7-0"]  # only the job id and restart are expanded
     start = script.index("\nsrun ") + 1
     srun = script[start:script.index("\n", script.index("\\\n", start) + 2)]
     words = shlex.split(srun.replace("\\\n", " "))  # bash's line continuation

@@ -364,7 +364,10 @@ class Lease:
     with If-Match on the version watched. A wall-clock time is written for humans only.
     Taken at once: a free or released lease, a holder whose process is gone on this host, and an
     older incarnation of the same SLURM job (SLURM requeued it; the compare-and-swap fences the old
-    copy). A newer incarnation is never taken by an older one, which then fails its next refresh.
+    copy). A newer incarnation is never taken by an older one, which then fails its next refresh; a
+    second live copy of the same incarnation (another srun step) is watched like another job. A lease
+    write that landed but whose reply was lost (the client retries it and is refused) is recognised
+    as this job's own and kept, not mistaken for a lost run.
 
     Cost: rank 0 only; one object of about 250 bytes, one PUT per beat (720 an hour at most); a job
     that must judge a holder does one GET per min(lease/8, 1 s) for at most one lease period."""
@@ -426,9 +429,13 @@ class Lease:
                     f"{self.run.url} is held by restart {theirs} of job {self.me['job']} on {holder.get('host')} "
                     f"(pid {holder.get('pid')}); this process is restart {mine}, a stale copy that SLURM requeued "
                     "since: it must not touch the run")
-            if theirs < mine and holder.get("state") != RELEASED:
+            if holder.get("state") == RELEASED:
+                return ""
+            if theirs < mine:
                 return f"took over {self.run.url} from restart {theirs} of this job (SLURM requeued it)"
-            return ""  # an earlier process of this very incarnation, e.g. workers restarted by torchrun
+            if holder.get("host") == self.me["host"] and not process_alive(_int(holder.get("pid"))):
+                return ""  # an earlier process of this very incarnation, e.g. workers restarted by torchrun
+            return None  # two live copies of one incarnation (a second srun step): the lease tells which runs
         if holder.get("state") == RELEASED:
             return ""
         if holder.get("host") == self.me["host"] and not process_alive(_int(holder.get("pid"))):
@@ -514,7 +521,16 @@ class Lease:
         self.beats += 1  # every write differs, so the version (ETag, sha256) changes with every beat
         record = {**self.me, "state": state, "beat": self.beats, "lease_s": self.seconds,
                   "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ (this host's clock, for humans)", time.gmtime())}
-        return self.run.store.put_if(LEASE, json.dumps(record, sort_keys=True).encode(), version)
+        try:
+            return self.run.store.put_if(LEASE, json.dumps(record, sort_keys=True).encode(), version)
+        except PreconditionFailed:
+            # A write that landed but whose reply was lost is retried by the client against the old
+            # version and refused: the record there is then this very write, which is ours to keep.
+            current = self.run.store.get_versioned(LEASE)
+            if current is not None and _parse(current[0]) == {**record, "written_at": _parse(current[0]).get(
+                    "written_at")}:
+                return current[1]
+            raise
 
 
 def _who(holder: dict) -> str:
