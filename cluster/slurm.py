@@ -37,7 +37,11 @@ def submit(script_path: str, after_ok: str | None = None) -> str:
 def job_info(job: str) -> dict[str, str]:
     """`scontrol show job` as a dict (JobState, Restarts, ExitCode, StdOut, ...). Older SLURMs
     name the requeue count RestartCnt; it is given as Restarts either way."""
-    text = _run(["scontrol", "show", "job", "-o", str(job)])
+    return parse_job_info(_run(["scontrol", "show", "job", "-o", str(job)]))
+
+
+def parse_job_info(text: str) -> dict[str, str]:
+    """What `scontrol show job -o` printed, as job_info gives it."""
     info = dict(re.findall(r"(\w+(?::\w+)?)=(\S*)", text))
     info.setdefault("Restarts", info.get("RestartCnt", "0"))
     return info

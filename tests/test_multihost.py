@@ -18,6 +18,7 @@ import pytest
 import cluster_harness
 from cluster_harness import PYTHON
 from conftest import EXTENSIONS, REPO, assert_same_weights, losses, weights
+from vitforge.cluster.slurm import parse_job_info
 
 # Connects to HOST:PORT from inside a host; exit 0 when it answers.
 REACH = "import socket, sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=1).close()"
@@ -134,10 +135,7 @@ def submit(cluster, logs: Path, run: str, bucket: str, *spec_sets: str, override
 
 
 def job_info(cluster, job: str) -> dict:
-    text = cluster.scontrol("show", "job", "-o", job).stdout
-    info = dict(re.findall(r"(\w+)=(\S*)", text))
-    info.setdefault("Restarts", info.get("RestartCnt", "0"))
-    return info
+    return parse_job_info(cluster.scontrol("show", "job", "-o", job).stdout)
 
 
 def wait_job(cluster, job: str, logs: Path, states=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"),

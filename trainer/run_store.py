@@ -404,7 +404,7 @@ class Lease:
                 if current is not None:
                     holder = _parse(current[0])
                     note = self._take_at_once(holder)
-                    if note is None and holder.get("state") != RELEASED:
+                    if note is None:
                         verdict = self._watch(holder, current[1], end)
                         if verdict != "dead":
                             if verdict == "pending":
@@ -423,24 +423,20 @@ class Lease:
         """A note when `holder` may be replaced without watching ("" for no note); None when it
         must be watched. Raises if this is a stale incarnation of the holder's job."""
         mine, theirs = int(self.me.get("incarnation", 0)), _int(holder.get("incarnation"))
-        if holder.get("job") == self.me["job"]:
-            if theirs > mine:
-                raise StorageError(
-                    f"{self.run.url} is held by restart {theirs} of job {self.me['job']} on {holder.get('host')} "
-                    f"(pid {holder.get('pid')}); this process is restart {mine}, a stale copy that SLURM requeued "
-                    "since: it must not touch the run")
-            if holder.get("state") == RELEASED:
-                return ""
-            if theirs < mine:
-                return f"took over {self.run.url} from restart {theirs} of this job (SLURM requeued it)"
-            if holder.get("host") == self.me["host"] and not process_alive(_int(holder.get("pid"))):
-                return ""  # an earlier process of this very incarnation, e.g. workers restarted by torchrun
-            return None  # two live copies of one incarnation (a second srun step): the lease tells which runs
+        same_job = holder.get("job") == self.me["job"]
+        if same_job and theirs > mine:
+            raise StorageError(
+                f"{self.run.url} is held by restart {theirs} of job {self.me['job']} on {holder.get('host')} "
+                f"(pid {holder.get('pid')}); this process is restart {mine}, a stale copy that SLURM requeued "
+                "since: it must not touch the run")
         if holder.get("state") == RELEASED:
             return ""
+        if same_job and theirs < mine:
+            return f"took over {self.run.url} from restart {theirs} of this job (SLURM requeued it)"
         if holder.get("host") == self.me["host"] and not process_alive(_int(holder.get("pid"))):
-            return f"took over {self.run.url} from job {_who(holder)}: its process is gone"
-        return None
+            # of this very incarnation: e.g. workers restarted by torchrun
+            return "" if same_job else f"took over {self.run.url} from job {_who(holder)}: its process is gone"
+        return None  # alive elsewhere, or a second live copy of this incarnation (another srun step)
 
     def _period(self, holder: dict) -> float:
         return max(self.seconds, _number(holder.get("lease_s"), float))
