@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench lock clean system-packages gpu-wheels
+.PHONY: setup demo test bench lock clean system-packages gpu-wheels azurite
 
 setup: $(STAMP)
 
@@ -30,7 +30,15 @@ system-packages:
 demo: setup
 	$(VENV)/bin/vitforge demo
 
-test: setup system-packages
+# Azurite, the Azure Blob emulator the tests start (testing/local_azure.py), from npm into the venv,
+# exactly as ci/azurite/package-lock.json pins it.
+AZURITE := $(VENV)/azurite/node_modules/.bin/azurite-blob
+azurite: $(AZURITE)
+$(AZURITE): ci/azurite/package-lock.json
+	mkdir -p $(VENV)/azurite && cp ci/azurite/package.json ci/azurite/package-lock.json $(VENV)/azurite/
+	npm ci --silent --no-audit --no-fund --prefix $(VENV)/azurite
+
+test: setup system-packages azurite
 	$(PY) -m pytest -q tests
 
 bench: setup

@@ -38,7 +38,7 @@ def main() -> int:
     p.add_argument("--every", type=int, default=10, help="steps between checkpoints")
     args = p.parse_args()
     work = tempfile.mkdtemp(prefix="vitforge-ckpt-bench-")
-    from vitforge.local_s3 import start_local_s3
+    from vitforge.testing import start_local_s3
 
     os.makedirs(os.path.join(work, "s3"))
     server = start_local_s3(os.path.join(work, "s3"))

@@ -61,9 +61,9 @@ def main() -> int:
     args = p.parse_args()
 
     from vitforge.core import open_store
-    from vitforge.local_s3 import start_local_s3
     from vitforge.shards.cli import main as shard_main
     from vitforge.synthetic import write_class_folders
+    from vitforge.testing import start_local_s3
 
     work = Path(args.work).resolve()
     shutil.rmtree(work, ignore_errors=True)

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from vitforge.core import UsageError
-from vitforge.pipeline import LoaderSpec, cache_footprint
+from vitforge.pipeline import LoaderSettings, cache_footprint
 from vitforge.trainer import PEAK_FLOPS, build_model, forward_flops
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -50,7 +50,7 @@ class PlanInput:
     shard_bytes: int = 1 << 30
     # The loader's reads from the object store: whole shards in ranged GETs of data.read_block_mb
     # (the loader's default here); 0: one GET per sample (a per-sample reader's count)
-    read_block_bytes: int = int(LoaderSpec.read_block_mb * 2**20)
+    read_block_bytes: int = int(LoaderSettings().read_block_mb * 2**20)
     checkpoint_bandwidth: float = 1e9  # bytes/s one rank writes to the store
     store_bandwidth: float = 50e9  # bytes/s the store accepts from (and serves to) the whole job
     node_mtbf_hours: float = 5_000.0  # mean time between failures of one node
@@ -75,7 +75,7 @@ class PlanInput:
     # lookahead, DeepSpeed's CPU optimizer offload, and the node's RAM (2 TB on a DGX H100/H200).
     index_bytes_per_sample: int = 64
     cache_limit_bytes: float = 64e9
-    shards_ahead: int = LoaderSpec.shards_ahead
+    shards_ahead: int = LoaderSettings().shards_ahead
     offload_optimizer: bool = False
     node_ram_bytes: float = 2e12
 

@@ -22,6 +22,14 @@ from vitforge.core import errors
 from .spec import LaunchSpec
 
 REQUEUE_EXIT = errors.REQUEUE
+# Every store's credentials travel by inheritance, whatever the site's SBATCH_EXPORT default: sbatch
+# passes the submitting environment to the batch step, srun to every rank (and into a container).
+CREDENTIALS_NOTE = (
+    "# Credentials are not in this file: the job inherits the submitting environment (AWS_*,",
+    "# GOOGLE_APPLICATION_CREDENTIALS, AZURE_STORAGE_*: each cloud's standard chain), and srun passes it on.",
+    "#SBATCH --export=ALL",
+)
+
 # NCCL settings per fabric; users add or override any in `env`.
 NCCL_PRESETS = {
     "none": {},
@@ -133,7 +141,7 @@ def render_shard_array(spec: LaunchSpec, parts: list[int] | None = None) -> str:
     lines = [
         "#!/bin/bash",
         f"# vitforge launch spec {spec.name!r}: sharding in {shard.num_parts} parts, one array task each.",
-        "# Credentials are not in this file: the job inherits the submitting environment (sbatch --export=ALL).",
+        *CREDENTIALS_NOTE,
         f"#SBATCH {_option('job-name', spec.name)}", f"#SBATCH --array={indices}{throttle}", "#SBATCH --nodes=1",
         "#SBATCH --ntasks=1", f"#SBATCH --cpus-per-task={spec.cpus_per_task}", f"#SBATCH {_option('time', spec.time)}",
         *(f"#SBATCH {d}" for d in _allocation(spec)),
@@ -151,7 +159,7 @@ def render_merge(spec: LaunchSpec) -> str:
         "#!/bin/bash",
         f"# vitforge launch spec {spec.name!r}: merge the parts' records into dataset.json.",
         f"#SBATCH {_option('job-name', f'{spec.name}-merge')}", "#SBATCH --nodes=1", "#SBATCH --ntasks=1",
-        "#SBATCH --cpus-per-task=1", f"#SBATCH {_option('time', spec.time)}",
+        *CREDENTIALS_NOTE, "#SBATCH --cpus-per-task=1", f"#SBATCH {_option('time', spec.time)}",
         *(f"#SBATCH {d}" for d in _allocation(spec)),
         "#SBATCH --open-mode=append", f"#SBATCH {_log(spec.log_dir, '%x-%j.out')}",
         "", "set -uo pipefail", *_setup(spec.env, spec.venv),
@@ -182,7 +190,7 @@ def render(spec: LaunchSpec) -> str:
         "#!/bin/bash",
         f"# vitforge launch spec {spec.name!r}: {spec.nodes} node(s) x {spec.ntasks_per_node} task(s), rendered by "
         "`vitforge submit`.",
-        "# Credentials are not in this file: the job inherits the submitting environment (sbatch --export=ALL).",
+        *CREDENTIALS_NOTE,
         *(f"#SBATCH {d}" for d in directives),
         "",
         "set -uo pipefail",

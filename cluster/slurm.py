@@ -8,13 +8,13 @@ import re
 import shutil
 import subprocess
 
-from vitforge.core import UsageError, VitforgeError
+from vitforge.core import UsageError, VitforgeError, errors
 
 from .spec import slurm_seconds
 
 
 class SlurmError(VitforgeError):
-    exit_code = 3
+    exit_code = errors.STORAGE
     kind = "slurm error"
 
 

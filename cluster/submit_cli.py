@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import signal
 import subprocess
 import sys
 
 from vitforge.core import setup_logging
 
-from . import slurm
-from .render import render, render_merge, render_shard_array
-from .spec import SPECS, SpecError, check_against, load_spec
+from .launcher import get_launcher
+from .spec import SPECS, SpecError, load_spec
 
 
 def submit_main(argv: list[str]) -> int:
@@ -34,24 +32,19 @@ def submit_main(argv: list[str]) -> int:
     setup_logging()
     spec = load_spec(args.spec, args.overrides)
     parts = _parts(args.parts, spec) if args.parts else None
-    # (file name, script, what it is, its log); each job after the first waits for the first (afterok).
-    if spec.shard:
-        jobs = [(f"{spec.name}.sbatch", render_shard_array(spec, parts), "job array",
-                 f"{spec.name}-{{job}}_<task>.out"),
-                (f"{spec.name}-merge.sbatch", render_merge(spec), "merge job", f"{spec.name}-merge-{{job}}.out")]
-    else:
-        jobs = [(f"{spec.name}.sbatch", render(spec), "job", f"{spec.name}-{{job}}.out")]
+    launcher = get_launcher()
+    jobs = launcher.scripts(spec, parts)  # each job after the first waits for the first (afterok)
     if args.dry_run:
-        print("\n".join(script for _, script, _, _ in jobs), end="")
+        print("\n".join(script.text for script in jobs), end="")
         return 0
-    check_against(spec, slurm.partition_limits(spec.partition))
+    launcher.check(spec)
     os.makedirs(spec.log_dir, exist_ok=True)
     first = None
     for name, script, kind, log in jobs:
         path = os.path.join(spec.log_dir, name)
         with open(path, "w") as f:
             f.write(script)
-        job = slurm.submit(path, after_ok=first)
+        job = launcher.submit(path, after_ok=first)
         first = first or job
         print(f"submitted {kind} {job}: script {path}, log {os.path.join(spec.log_dir, log.format(job=job))}")
     return 0
@@ -70,10 +63,11 @@ def _parts(text: str, spec) -> list[int]:
 
 
 def job_id(text: str) -> str:
-    """A job as scontrol and scancel take it: 1234, an array task 1234_7, a het-job component 1234+1."""
-    if not re.fullmatch(r"\d+([_+]\d+)?", text):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a SLURM job id (e.g. 1234 or 1234_7)")
-    return text
+    """A job id as the launcher takes it."""
+    try:
+        return get_launcher().parse_job(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def signal_name(text: str) -> str:
@@ -87,10 +81,9 @@ def signal_name(text: str) -> str:
 def status_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="vitforge status", description="State of a submitted job.")
     p.add_argument("job", type=job_id)
-    info = slurm.job_info(p.parse_args(argv).job)
-    print(f"job {info.get('JobId')} {info.get('JobName')}: {info.get('JobState')} (reason {info.get('Reason')}), "
-          f"restarts {info['Restarts']}, exit code {info.get('ExitCode')}, "
-          f"log {info.get('StdOut')}")
+    info = get_launcher().status(p.parse_args(argv).job)
+    print(f"job {info['job']} {info['name']}: {info['state']} (reason {info['reason']}), "
+          f"restarts {info['restarts']}, exit code {info['exit_code']}, log {info['log']}")
     return 0
 
 
@@ -99,7 +92,7 @@ def logs_main(argv: list[str]) -> int:
     p.add_argument("job", type=job_id)
     p.add_argument("-f", "--follow", action="store_true", help="keep printing as the log grows (Ctrl-C to stop)")
     args = p.parse_args(argv)
-    path = slurm.log_path(args.job)
+    path = get_launcher().log_path(args.job)
     if args.follow:
         return subprocess.call(["tail", "-n", "+1", "-F", path])
     with open(path, errors="replace") as f:
@@ -113,5 +106,5 @@ def cancel_main(argv: list[str]) -> int:
     p.add_argument("--signal", type=signal_name, default=None,
                    help="send this signal instead, e.g. USR1 to make it save and requeue")
     args = p.parse_args(argv)
-    slurm.cancel(args.job, args.signal)
+    get_launcher().cancel(args.job, args.signal)
     return 0

@@ -11,12 +11,16 @@ from .net import free_port  # noqa: E402
 from .process import die_with_parent  # noqa: E402
 from .progress import Progress  # noqa: E402
 from .retry import TransientError, with_retries  # noqa: E402
-from .store import (LocalStore, LocalWriteError, S3Store, is_remote, local_write_error, open_store,  # noqa: E402
-                    process_alive)
+from .scheduler import SCHEDULERS, Scheduler, SchedulerEnv, first_host, scheduler_env  # noqa: E402
+from .store import (ENTRY_POINT_GROUP, LocalWriteError, ObjectInfo, Store, is_remote, local_write_error,  # noqa: E402
+                    object_store, open_store, process_alive, register_store, store_schemes)
 
 __all__ = [
-    "CheckpointError", "DivergedError", "LocalStore", "LocalWriteError", "PARTIAL_MARK", "PreconditionFailed",
-    "Progress", "S3Store", "StorageError", "TransientError", "UsageError", "VitforgeError", "__version__",
-    "atomic_path", "atomic_write", "die_with_parent", "free_port", "is_remote", "local_write_error", "open_store",
-    "process_alive", "process_rank", "setup_logging", "sha256_file", "with_retries",
+    "CheckpointError", "DivergedError", "ENTRY_POINT_GROUP", "LocalWriteError", "ObjectInfo", "PARTIAL_MARK",
+    "PreconditionFailed", "Progress", "StorageError", "Store", "TransientError", "UsageError", "VitforgeError",
+    "__version__", "atomic_path", "atomic_write", "die_with_parent", "free_port", "is_remote",
+    "local_write_error", "object_store", "open_store", "process_alive", "process_rank", "register_store",
+    "setup_logging", "sha256_file", "store_schemes", "with_retries",
+    # where this process sits in its job
+    "SCHEDULERS", "Scheduler", "SchedulerEnv", "first_host", "scheduler_env",
 ]

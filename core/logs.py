@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import logging
-import os
 import sys
+
+from .errors import UsageError
+from .scheduler import scheduler_env
 
 
 def process_rank() -> int:
-    """This process's rank under torchrun, the deepspeed launcher or srun (0 when alone)."""
-    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+    """This process's rank under torchrun, the deepspeed launcher or srun (0 when alone). 0 too when
+    the environment cannot be read, so that logging works and the error is reported by what reads it."""
+    try:
+        return scheduler_env().rank
+    except UsageError:
+        return 0
 
 
 def setup_logging() -> None:

@@ -4,14 +4,22 @@ overrides typed as YAML, and one pydantic schema whose errors name the key."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TypeVar
+from typing import Annotated, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, BeforeValidator, ValidationError
 
 from .errors import UsageError
 
 M = TypeVar("M", bound=BaseModel)
+
+
+def _switch(value):
+    # YAML reads a bare on / off as true / false; null (None from Python callers) means auto.
+    return {True: "on", False: "off", None: "auto"}[value] if value is None or isinstance(value, bool) else value
+
+
+Switch = Annotated[Literal["auto", "on", "off"], BeforeValidator(_switch)]
 
 
 def load_validated(path: str | Path, overrides: list[str], schema: type[M], shipped: Path, what: str,
@@ -39,14 +47,19 @@ def validated(raw: dict, schema: type[M], where: str, error: type[UsageError] = 
     try:
         return schema.model_validate(raw)
     except ValidationError as e:
-        problems = []
-        for problem in e.errors():
-            key = ".".join(str(p) for p in problem["loc"]) or "(top level)"
-            message = "unknown key" if problem["type"] == "extra_forbidden" else \
-                problem["msg"].removeprefix("Value error, ")
-            shown = problem["type"] != "extra_forbidden" and not isinstance(problem["input"], dict)
-            problems.append(f"{key}: {message}" + (f" (got {problem['input']!r})" if shown else ""))
-        raise error(f"{where}: " + "; ".join(problems)) from None
+        raise error(f"{where}: {problems(e)}") from None
+
+
+def problems(e: ValidationError) -> str:
+    """Every problem of a validation, each naming its key, on one line."""
+    lines = []
+    for problem in e.errors():
+        key = ".".join(str(p) for p in problem["loc"]) or "(top level)"
+        message = "unknown key" if problem["type"] == "extra_forbidden" else \
+            problem["msg"].removeprefix("Value error, ")
+        shown = problem["type"] != "extra_forbidden" and not isinstance(problem["input"], dict)
+        lines.append(f"{key}: {message}" + (f" (got {problem['input']!r})" if shown else ""))
+    return "; ".join(lines)
 
 
 def _read_mapping(path: Path, shipped: Path, what: str, error: type[UsageError]) -> dict:

@@ -4,11 +4,19 @@ Every rank gets the same number of batches; the epoch order is a function of (se
 the state is a position that resumes exactly, at any world size.
 """
 
-from .cache import CacheFootprint, cache_footprint
-from .index import DatasetError, DatasetIndex, load_index
-from .loader import Loader, build_loader, choose_backend
-from .reader import IGNORE_LABEL
-from .spec import BACKENDS, IMAGENET_MEAN, IMAGENET_STD, LoaderSpec
+from vitforge.core.lazy import lazy_exports
 
-__all__ = ["BACKENDS", "CacheFootprint", "DatasetError", "DatasetIndex", "IGNORE_LABEL", "IMAGENET_MEAN",
-           "IMAGENET_STD", "Loader", "LoaderSpec", "build_loader", "cache_footprint", "choose_backend", "load_index"]
+from .backend import Backend, Batch, backend_names, find_backend, make_batch, register_backend
+from .spec import IMAGENET_MEAN, IMAGENET_STD, LoaderSettings, LoaderSpec
+
+# The loader's modules import torch (seconds): loaded on first use, so that a config (which embeds
+# LoaderSettings) is validated without them.
+HEAVY = {"cache": ("CacheFootprint", "cache_footprint"), "index": ("DatasetError", "DatasetIndex", "load_index"),
+         "loader": ("Loader", "build_loader", "choose_backend"), "reader": ("IGNORE_LABEL",)}
+
+__all__ = ["Backend", "Batch", "CacheFootprint", "DatasetError", "DatasetIndex", "IGNORE_LABEL", "IMAGENET_MEAN",
+           "IMAGENET_STD", "Loader", "LoaderSettings", "LoaderSpec", "backend_names", "build_loader",
+           "cache_footprint", "choose_backend", "find_backend", "load_index", "make_batch", "register_backend"]
+
+
+__getattr__ = lazy_exports(__name__, globals(), HEAVY)

@@ -56,7 +56,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from vitforge.core import LocalWriteError, S3Store, StorageError, local_write_error, open_store
+from vitforge.core import LocalWriteError, StorageError, Store, local_write_error, open_store
 
 from .spec import LoaderSpec
 
@@ -153,7 +153,7 @@ class ShardFile:
 @dataclass
 class StreamedShard:
     """A shard the node's disk cannot hold, read from the store: one ranged GET per read."""
-    store: S3Store
+    store: Store
     key: str
     counted: Callable[[int], None]
 
@@ -173,7 +173,7 @@ class ShardCache:
     def __init__(self, spec: CacheSpec, next_use: Callable[[str], float]):
         self.spec, self.next_use = spec, next_use
         os.makedirs(spec.folder, exist_ok=True)
-        self._stores: dict[str, S3Store] = {}
+        self._stores: dict[str, Store] = {}
         self._lock = threading.Lock()
         self.opens = self.fetches = self.bytes_fetched = 0
         self.skipped = 0  # read-aheads that found no room (nothing fetched)
@@ -187,8 +187,9 @@ class ShardCache:
 
     @property
     def requests(self) -> int:
+        """The requests the shard stores sent (their optional `requests` count: see `Store`)."""
         with self._lock:
-            return sum(store.requests for store in self._stores.values())
+            return sum(getattr(store, "requests", 0) for store in self._stores.values())
 
     def open(self, url: str, length: int, sha256: str | None) -> ShardFile | StreamedShard:
         """The shard's first `length` bytes: its checked cached file (fetched if absent or changed),
@@ -274,7 +275,7 @@ class ShardCache:
         with self._lock:
             self.bytes_fetched += n
 
-    def _store_for(self, url: str) -> tuple[S3Store, str]:
+    def _store_for(self, url: str) -> tuple[Store, str]:
         folder, _, key = url.rpartition("/")
         with self._lock:  # the prefetch thread and the reader's: one store (and request count) per folder
             if folder not in self._stores:

@@ -12,8 +12,9 @@ import torch
 from vitforge.core import is_remote, setup_logging
 from vitforge.core.cli_args import bounded, non_negative_int, positive_float, positive_int
 
+from .backend import backend_names
 from .loader import build_loader
-from .spec import BACKENDS, LoaderSpec
+from .spec import LoaderSpec
 
 
 def cpu_seconds() -> float:
@@ -65,7 +66,7 @@ def measure(spec: LoaderSpec, steps: int, warmup: int, device: str) -> dict:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="vitforge loader-bench", description=__doc__)
     p.add_argument("dataset", help="folder or s3:// prefix with dataset.json, or tar paths ('shards-{0..9}.tar')")
-    p.add_argument("--backend", choices=BACKENDS, default="auto")
+    p.add_argument("--backend", choices=("auto", *backend_names()), default="auto")
     p.add_argument("--batch", type=positive_int, default=64, help="batch size (default 64)")
     p.add_argument("--steps", type=positive_int, default=50, help="timed batches (default 50)")
     p.add_argument("--warmup", type=non_negative_int, default=5, help="batches before timing starts (default 5)")

@@ -8,7 +8,7 @@ check is handled here: DALI cannot skip it (NVIDIA/DALI#3913) and its pipeline i
 so we find the culprit with a strict CPU decode, replace it, rebuild the pipeline, and rerun the
 batches it had in flight.
 
-Overlap (the default on a GPU; `overlap=True` forces it on a CPU device, where the step competes
+Overlap (the default on a GPU; `overlap="on"` forces it on a CPU device, where the step competes
 for the same cores): DALI's pipelined, asynchronous executor pulls `prefetch` batches ahead from the external
 source and decodes them in its own threads while the training step runs; a reader thread keeps
 the next raw batch (bytes, labels, windows) ready for it, and a delivery thread takes DALI's
@@ -29,6 +29,7 @@ from PIL import Image
 
 from . import randaugment
 from .ahead import read_ahead
+from .backend import Batch, make_batch
 from .index import DatasetIndex
 from .order import RankSlice
 from .reader import RawBatch, raw_batches
@@ -125,11 +126,11 @@ class DaliBackend:
         self.device_id = (device.index or 0) if mixed else None
         self.name = "dali-mixed" if self.device_id is not None else "dali-cpu"
         # On a CPU device the step and the decoder share the same cores: decoding in line is faster.
-        self.overlap = spec.overlap if spec.overlap is not None else device.type == "cuda"
+        self.overlap = {"on": True, "off": False}.get(spec.overlap, device.type == "cuda")
         self.feed = Feed(augmenting=spec.train and spec.randaugment is not None)
         self.pipe = None
 
-    def batches(self, epoch: int, rank_slice: RankSlice):
+    def batches(self, epoch: int, rank_slice: RankSlice) -> Iterator[Batch]:
         decoded = self._decoded(epoch, rank_slice)
         # With overlap, one thread drives DALI and copies its output out (tens of ms for a CPU batch
         # of floats) while the consumer's step runs.
@@ -143,9 +144,8 @@ class DaliBackend:
         try:
             while (images := self._next()) is not None:
                 raw = self.feed.in_flight.popleft()
-                yield {"image": images.to(dtype), "label": torch.from_numpy(raw.labels).to(self.device),
-                       "key": raw.keys, "bad": raw.bad, "reads": raw.reads,
-                       "position": torch.from_numpy(raw.positions), "real": torch.from_numpy(raw.real)}
+                yield make_batch(images.to(dtype), torch.from_numpy(raw.labels).to(self.device), raw.positions,
+                                 raw.real, raw.keys, raw.bad, raw.reads)
         finally:
             raws.close()
             self.pipe = None

@@ -24,12 +24,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-import fsspec
 import numpy as np
 from braceexpand import braceexpand
 from PIL import Image
 
-from vitforge.core import UsageError, is_remote, open_store, with_retries
+from vitforge.core import UsageError, is_remote, object_store, open_store
 from vitforge.shards import SAMPLE_IMAGE_EXTS, ManifestError, index_path_for, index_tar, read_manifest
 
 from .order import ranked_subset_ids, subset_counts, subset_rows
@@ -224,13 +223,9 @@ def _scanned_text(urls: tuple[str, ...], shard: int) -> str:
     """A tar's index file, or, for a local tar without one, its scan."""
     url = urls[shard]
     idx = index_path_for(url)
-
-    def read() -> str:
-        with fsspec.open(idx, "rt") as f:
-            return f.read()
-
+    store, name = object_store(idx)
     try:
-        return with_retries(read, idx) if is_remote(idx) else read()  # a body cut short is read again
+        return store.get_bytes(name).decode()  # the store reads again a body cut short
     except FileNotFoundError:
         pass
     if is_remote(url):

@@ -1,11 +1,6 @@
 """`build_loader`: the one entry point the trainer uses, whatever the backend.
 
-A Loader yields one epoch per `iter()`, as dicts {"image": N,3,S,S on the device, "label": int64
-(-1 = ignore: no label, a replaced sample, eval padding), "real": bool per sample (False: a
-replaced sample or eval padding), "key": "SHARD.tar:KEY" per sample, "position": int64 per
-sample, its place in the epoch's order (with the epoch, what per-sample randomness hashes), "bad":
-keys replaced, "reads": what reading it cost: object-store "requests" and "bytes" (bytes read
-locally for local shards), shard-cache "opens" and "fetches"}. Its state is
+A Loader yields one epoch per `iter()`, as Batches (backend.py documents each key). Its state is
 (epoch, consumed): how many positions of the epoch's global order all ranks together have taken.
 That is the same number on every rank, so any rank's state restores all of them, at the same or
 another world size or batch size.
@@ -16,11 +11,13 @@ from __future__ import annotations
 import logging
 import math
 import time
+from typing import Iterator
 
 import torch
 
 from vitforge.core import CheckpointError
 
+from .backend import Backend, Batch, find_backend
 from .index import DatasetError, DatasetIndex, load_index
 from .order import RankSlice, partition_shards_of
 from .spec import LoaderSpec
@@ -31,26 +28,9 @@ log = logging.getLogger("vitforge.pipeline")
 STATE_VERSION = 3
 
 
-class SyntheticBackend:
-    """Fixed random tensors already on the device: the trainer measured without any I/O."""
-
-    name = "synthetic"
-
-    def __init__(self, spec: LoaderSpec, num_classes: int, device: torch.device):
-        generator = torch.Generator().manual_seed(spec.seed)
-        shape = (spec.batch_size, 3, spec.image_size, spec.image_size)
-        self.images = torch.randn(shape, generator=generator).to(device, getattr(torch, spec.dtype))
-        self.labels = torch.randint(0, num_classes, (spec.batch_size,), generator=generator).to(device)
-
-    def batches(self, epoch: int, rank_slice: RankSlice):
-        for batch in range(rank_slice.num_batches):
-            yield {"image": self.images, "label": self.labels, "key": [], "bad": [], "reads": {},
-                   "position": torch.from_numpy(rank_slice.positions(batch)),
-                   "real": torch.ones(len(self.labels), dtype=torch.bool)}
-
-
 def choose_backend(spec: LoaderSpec, device: torch.device) -> tuple[str, str]:
-    """(backend, why): auto prefers DALI mixed decode, then DALI on the CPU, then torch."""
+    """(backend, why): a registered backend's name; auto prefers DALI mixed decode, then DALI on the
+    CPU, then torch."""
     if spec.backend != "auto":
         return spec.backend, "asked for"
     try:
@@ -63,7 +43,7 @@ def choose_backend(spec: LoaderSpec, device: torch.device) -> tuple[str, str]:
 
 
 class Loader:
-    def __init__(self, spec: LoaderSpec, index: DatasetIndex | None, backend, rank: int, world_size: int,
+    def __init__(self, spec: LoaderSpec, index: DatasetIndex | None, backend: Backend, rank: int, world_size: int,
                  num_samples: int, accumulation: int = 1, ranks_per_node: int = 1):
         self.spec, self.index, self.backend = spec, index, backend
         self.rank, self.world_size, self.num_samples = rank, world_size, num_samples
@@ -87,7 +67,7 @@ class Loader:
         return RankSlice(self.num_samples, self.consumed, self.rank, self.world_size, self.spec.batch_size,
                          self.spec.epoch_end, self.accumulation, self.partitions, self.ranks_per_node)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Batch]:
         rank_slice = self._slice()
         step = self.world_size * self.spec.batch_size
         batches = self.backend.batches(self.epoch, rank_slice)
@@ -187,14 +167,16 @@ def build_loader(spec: LoaderSpec, rank: int = 0, world_size: int = 1,
                  synthetic_classes: int = 1000, accumulation: int = 1, ranks_per_node: int = 1) -> Loader:
     """A loader for one rank. `accumulation`: micro-batches per optimizer step, so that epochs end
     on whole steps. `ranks_per_node`: ranks rank // ranks_per_node share a node and its shard cache.
-    For the synthetic backend `spec.dataset` is ignored."""
+    A backend that reads no dataset (synthetic) ignores `spec.dataset` and makes `synthetic_samples`
+    samples of `synthetic_classes` classes."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
     device = torch.device(device)
     name, why = choose_backend(spec, device)
     log.info("loader backend: %s (%s)", name, why)
-    if name == "synthetic":
-        backend = SyntheticBackend(spec, synthetic_classes, device)
+    registered = find_backend(name)
+    if not registered.reads_dataset:
+        backend = registered.factory(spec, None, device, synthetic_classes)
         return Loader(spec, None, backend, rank, world_size, synthetic_samples, accumulation, ranks_per_node)
     index = load_index(spec.dataset)
     if spec.subset is not None:
@@ -203,13 +185,5 @@ def build_loader(spec: LoaderSpec, rank: int = 0, world_size: int = 1,
         except ValueError as e:
             raise DatasetError(f"{spec.dataset}: {e}") from None
         log.info("subset %r of %s: %d samples", spec.subset, spec.dataset, len(index))
-    if name in ("dali", "dali-cpu"):
-        from .dali_backend import DaliBackend
-
-        backend = DaliBackend(spec, index, device, mixed=name == "dali" and device.type == "cuda")
-    else:
-        from .torch_backend import TorchBackend
-
-        backend = TorchBackend(spec, index, device)
+    backend = registered.factory(spec, index, device, synthetic_classes)
     return Loader(spec, index, backend, rank, world_size, len(index), accumulation, ranks_per_node)
-

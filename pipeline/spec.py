@@ -1,81 +1,134 @@
-"""What a loader is asked to produce: one validated description shared by every backend."""
+"""What a loader is asked to produce: one validated description shared by every backend.
+
+`LoaderSettings` declares the settings a user chooses, once: the trainer's `data:` section is
+this model plus the data sets' locations (trainer/config.py DataConfig), and docs/CONFIG.md is
+generated from it. `LoaderSpec` is those settings plus what each call decides (the data set, the
+batch, train or eval transforms), the one object every backend reads. Per rank: one spec per
+loader, a few hundred bytes.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from vitforge.core import UsageError
+from vitforge.core.settings import Switch, problems
 
-BACKENDS = ("auto", "dali", "dali-cpu", "torch", "synthetic")
+from .backend import backend_names, find_backend
+
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
-@dataclass(frozen=True)
-class LoaderSpec:
-    dataset: str  # folder or s3:// prefix holding dataset.json (made by `vitforge shard`)
-    batch_size: int  # per rank
-    image_size: int = 224
-    train: bool = True  # random-resized-crop + flip; False: resize shorter side, centre crop
-    backend: str = "auto"
+class LoaderSettings(BaseModel):
+    """The loader's user-facing settings (`data.*` in a training config)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    backend: str = Field("auto", description=(
+        'auto: DALI with GPU ("mixed") JPEG decode on a GPU, DALI on the CPU elsewhere, torch when DALI is not '
+        f"installed; or a registered backend by name: {', '.join(backend_names())}."))
+    workers: int = Field(4, ge=0)
+    """Decode processes (torch) or threads (DALI) per rank."""
+    prefetch: int = Field(2, ge=1)
+    """Batches decoded ahead of the step (DALI's queue, torch's per worker)."""
+    overlap: Switch = "auto"
+    """DALI decodes ahead in its own threads: auto = on a GPU (on a CPU the step needs the same cores)."""
+    subset: float | int | None = Field(None, gt=0)
+    """Train on a deterministic subset: a fraction (0.1, with a decimal point) or a sample count
+    (5000); for one seed the smaller subsets are inside the larger ones. Eval sees all of data.val."""
     seed: int = 0
-    # How every rank gets the same number of batches: "pad" repeats samples from the start of the
-    # epoch's order (in eval they carry label -1 so metrics skip them); "drop" leaves the remainder out.
-    epoch_end: str = "pad"
-    scale: tuple[float, float] = (0.08, 1.0)  # random-resized-crop area fraction (Inception / ViT recipe)
+    """Seeds the sample order, crops, flips, RandAugment, Mixup/CutMix and masks."""
+    partitions: int | None = Field(None, ge=1)
+    """Partitions of the sample order, fixed when the run starts (null: the number of ranks then).
+    A resume at any world size is exact; store egress stays one copy of the dataset per epoch when
+    the number of ranks divides it, so pick a multiple of the sizes you will run at."""
+    cache_dir: str | None = None
+    """s3:// datasets are fetched shard by shard into a node-local cache shared by the node's ranks,
+    in this folder; null: $VITFORGE_CACHE_DIR, else the temp folder."""
+    cache_gb: float = Field(32.0, gt=0)
+    """The cache's size limit, per node and dataset; what the order needs last is removed first."""
+    read_block_mb: float = Field(16.0, gt=0)
+    """Size of the parallel ranged GETs that fetch a shard."""
+    shards_ahead: int = Field(2, ge=0)
+    """Shards fetched ahead of need, per reader."""
+
+    @field_validator("backend")
+    @classmethod
+    def _registered(cls, value: str) -> str:
+        if value != "auto":
+            find_backend(value)
+        return value
+
+    @field_validator("subset")
+    @classmethod
+    def _subset_form(cls, value):
+        if value is not None and not (value <= 1 if isinstance(value, float) else value >= 1):
+            raise ValueError("subset must be a fraction in (0, 1] or a sample count >= 1")
+        return value
+
+
+class LoaderSpec(LoaderSettings):
+    """The settings plus what one loader is for. `LoaderSpec(dataset, batch_size=..., ...)`; a bad
+    value is a UsageError naming each field. `LoaderSpec.of(settings, dataset, ...)` takes the
+    settings from a LoaderSettings (the trainer's `data:` section)."""
+
+    dataset: str
+    """Folder or s3:// prefix holding dataset.json (made by `vitforge shard`), or WebDataset tar paths."""
+    batch_size: int = Field(ge=1)
+    """Per rank."""
+    image_size: int = Field(224, ge=8)
+    train: bool = True
+    """Random-resized-crop + flip; False: resize shorter side, centre crop."""
+    epoch_end: Literal["pad", "drop"] = "pad"
+    """How every rank gets the same number of batches: "pad" repeats samples from the start of the
+    epoch's order (in eval they carry label -1 so metrics skip them); "drop" leaves the remainder out."""
+    scale: tuple[float, float] = (0.08, 1.0)
+    """Random-resized-crop area fraction (Inception / ViT recipe)."""
     ratio: tuple[float, float] = (3 / 4, 4 / 3)
     flip: bool = True
-    randaugment: tuple[int, int] | None = None  # (operations per image, magnitude bin 0-30), train only
-    eval_crop_fraction: float = 0.875  # eval: resize shorter side to image_size / 0.875, centre crop
+    randaugment: tuple[int, int] | None = None
+    """(operations per image, magnitude bin 0-30), train only."""
+    eval_crop_fraction: float = Field(0.875, gt=0, le=1)
+    """Eval: resize shorter side to image_size / 0.875, centre crop."""
     mean: tuple[float, float, float] = IMAGENET_MEAN
     std: tuple[float, float, float] = IMAGENET_STD
-    dtype: str = "float32"  # or "bfloat16"
-    shuffle_window: int = 16384  # samples mixed across shards beyond the shard-level shuffle
-    workers: int = 2  # decode processes (torch) or CPU threads (DALI)
-    hw_decoder_load: float = 0.65  # DALI mixed decode: share of JPEGs sent to the A100/H100 hardware decoder
-    prefetch: int = 2  # batches decoded ahead of the consumer (DALI's queue; torch: per worker)
-    # DALI decodes ahead of the consumer in its own threads: None = when the device is a GPU (on a
-    # CPU device the step needs the same cores). The torch backend overlaps through its workers.
-    overlap: bool | None = None
-    # A deterministic subset of the dataset (train only): a fraction (0.1) or a sample count (5000);
-    # smaller subsets are inside larger ones for the same seed. None: every sample.
-    subset: float | int | None = None
-    # Canonical partitions of the order (see order.py), fixed when the run starts: None = the world
-    # size then. Store egress stays one copy of the dataset per epoch at any world size dividing it.
-    partitions: int | None = None
-    # Object-store shards go through a node-local cache shared by the node's ranks: its folder
-    # (None: $VITFORGE_CACHE_DIR, else the system temp folder), size limit, GET size and lookahead.
-    cache_dir: str | None = None
-    cache_gb: float = 32.0
-    read_block_mb: float = 16.0
-    shards_ahead: int = 2  # shards fetched ahead of the one being read, per reader
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    shuffle_window: int = 16384
+    """Samples mixed across shards beyond the shard-level shuffle."""
+    hw_decoder_load: float = 0.65
+    """DALI mixed decode: share of JPEGs sent to the A100/H100 hardware decoder."""
 
-    def __post_init__(self):
-        if self.backend not in BACKENDS:
-            raise UsageError(f"backend must be one of {', '.join(BACKENDS)}, not {self.backend!r}")
-        if self.batch_size < 1:
-            raise UsageError(f"batch_size must be >= 1, not {self.batch_size}")
-        if self.image_size < 8:
-            raise UsageError(f"image_size must be >= 8, not {self.image_size}")
-        if self.epoch_end not in ("pad", "drop"):
-            raise UsageError(f"epoch_end must be 'pad' or 'drop', not {self.epoch_end!r}")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise UsageError(f"dtype must be 'float32' or 'bfloat16', not {self.dtype!r}")
-        if not 0 < self.scale[0] <= self.scale[1] <= 1:
-            raise UsageError(f"scale must satisfy 0 < min <= max <= 1, not {self.scale}")
-        if not 0 < self.ratio[0] <= self.ratio[1]:
-            raise UsageError(f"ratio must satisfy 0 < min <= max, not {self.ratio}")
-        if self.prefetch < 1:
-            raise UsageError(f"prefetch must be >= 1, not {self.prefetch}")
-        if self.subset is not None and not (0 < self.subset <= 1 if isinstance(self.subset, float)
-                                            else self.subset >= 1):
-            raise UsageError(f"subset must be a fraction in (0, 1] or a sample count >= 1, not {self.subset!r}")
-        if self.randaugment is not None and not (self.randaugment[0] >= 1 and 0 <= self.randaugment[1] <= 30):
-            raise UsageError(f"randaugment must be (operations >= 1, magnitude 0-30), not {self.randaugment}")
-        if self.partitions is not None and self.partitions < 1:
-            raise UsageError(f"partitions must be >= 1, not {self.partitions}")
-        if self.cache_gb <= 0 or self.read_block_mb <= 0 or self.shards_ahead < 0:
-            raise UsageError(f"cache_gb must be > 0, read_block_mb > 0 and shards_ahead >= 0, not "
-                             f"{self.cache_gb}, {self.read_block_mb}, {self.shards_ahead}")
-        if not 0 < self.eval_crop_fraction <= 1:
-            raise UsageError(f"eval_crop_fraction must be in (0, 1], not {self.eval_crop_fraction}")
+    def __init__(self, dataset: str, /, **values):
+        try:
+            super().__init__(dataset=dataset, **values)
+        except ValidationError as e:
+            raise UsageError(f"loader spec: {problems(e)}") from None
+
+    @classmethod
+    def of(cls, settings: LoaderSettings, dataset: str, **call) -> LoaderSpec:
+        """`settings`' values, with `call`'s (the per-call fields, or a setting overridden) over them."""
+        return cls(dataset, **{**{name: getattr(settings, name) for name in LoaderSettings.model_fields}, **call})
+
+    @field_validator("scale")
+    @classmethod
+    def _scale(cls, value):
+        if not 0 < value[0] <= value[1] <= 1:
+            raise ValueError("scale must satisfy 0 < min <= max <= 1")
+        return value
+
+    @field_validator("ratio")
+    @classmethod
+    def _ratio(cls, value):
+        if not 0 < value[0] <= value[1]:
+            raise ValueError("ratio must satisfy 0 < min <= max")
+        return value
+
+    @field_validator("randaugment")
+    @classmethod
+    def _randaugment(cls, value):
+        if value is not None and not (value[0] >= 1 and 0 <= value[1] <= 30):
+            raise ValueError("randaugment must be (operations >= 1, magnitude 0-30)")
+        return value

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import math
 import os
+from typing import Iterator
 
 import numpy as np
 import simplejpeg
@@ -18,6 +19,7 @@ from PIL import Image
 
 from . import randaugment
 from .ahead import copy_ahead, read_ahead
+from .backend import Batch, make_batch
 from .index import DatasetIndex
 from .order import EpochOrder, RankSlice
 from .reader import RawBatch, rank_order, raw_batches
@@ -40,7 +42,7 @@ def decode_crop(data: bytes, x: float, y: float, w: float, h: float, flip: bool,
     return out[:, ::-1] if flip else out
 
 
-def decode_batch(raw: RawBatch, size: int, magnitude: int = 0) -> dict:
+def decode_batch(raw: RawBatch, size: int, magnitude: int = 0) -> Batch:
     """`magnitude`: RandAugment's magnitude bin, for a batch that carries its plan."""
     out = np.empty((len(raw.images), size, size, 3), np.uint8)
     for i, data in enumerate(raw.images):
@@ -56,8 +58,8 @@ def decode_batch(raw: RawBatch, size: int, magnitude: int = 0) -> dict:
         if raw.augment_ops is not None:
             pixels = torch.from_numpy(out[i]).permute(2, 0, 1)
             out[i] = randaugment.apply(pixels, raw.augment_ops[i], raw.augment_negate[i], magnitude).permute(1, 2, 0)
-    return {"image": torch.from_numpy(out), "label": torch.from_numpy(raw.labels), "key": raw.keys, "bad": raw.bad,
-            "reads": raw.reads, "position": torch.from_numpy(raw.positions), "real": torch.from_numpy(raw.real)}
+    return make_batch(torch.from_numpy(out), torch.from_numpy(raw.labels), raw.positions, raw.real, raw.keys, raw.bad,
+                      raw.reads)
 
 
 class Normalise:
@@ -107,7 +109,7 @@ class TorchBackend:
         self.spec, self.index, self.device = spec, index, device
         self.normalise = Normalise(spec, device) if device.type == "cuda" else None
 
-    def batches(self, epoch: int, rank_slice: RankSlice):
+    def batches(self, epoch: int, rank_slice: RankSlice) -> Iterator[Batch]:
         # For a GPU, uint8 travels (4x less to copy) and the GPU normalises; for the CPU the workers
         # normalise too, so the step's own thread does no loader work.
         on_gpu = self.device.type == "cuda"
@@ -128,7 +130,7 @@ class TorchBackend:
             # GPU the DataLoader's pin-memory thread already does.)
             yield from read_ahead(iter(loader)) if workers else loader
 
-    def _to_device(self, batch: dict) -> dict:
+    def _to_device(self, batch: Batch) -> Batch:
         return {**batch, "image": self.normalise(batch["image"].to(self.device, non_blocking=True)),
                 "label": batch["label"].to(self.device, non_blocking=True)}
 

@@ -7,7 +7,7 @@ import logging
 import os
 import re
 
-from vitforge.core import setup_logging
+from vitforge.core import scheduler_env, setup_logging
 from vitforge.core.cli_args import bounded, non_negative_int, positive_float, positive_int
 from vitforge.core.errors import CHECK_FAILED
 
@@ -107,10 +107,9 @@ def _subcommand_parser(name: str, help_text: str, workers: bool = False) -> argp
 
 
 def _part_from_env() -> int:
-    task = os.environ.get("SLURM_ARRAY_TASK_ID")
-    if task is None:
-        return 0
-    return int(task) - int(os.environ.get("SLURM_ARRAY_TASK_MIN", "0"))
+    """This job-array task's place in its array (part 0 outside one)."""
+    index = scheduler_env().array_index
+    return 0 if index is None else index
 
 
 def main(argv: list[str]) -> int:

@@ -33,7 +33,7 @@ def ordered_map(fn: Callable[[T], R], items: Iterable[T], workers: int, chunk_si
         executor = ThreadPoolExecutor(workers)
     else:
         # fork starts workers without re-importing anything (spawn costs ~0.3 s of CPU per worker);
-        # fsspec resets its event loop in forked children, and no other threads run at this point.
+        # object_store's clients are forgotten in forked children, and no other threads run at this point.
         executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
                                        initializer=die_with_parent, initargs=(os.getpid(),))
     with executor as pool:

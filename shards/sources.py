@@ -1,9 +1,9 @@
-"""List the inputs of a corpus: class-folder trees or CSV / JSONL / Parquet manifests, local or fsspec URLs.
+"""List the inputs of a corpus: class-folder trees or CSV / JSONL / Parquet manifests, local or in a store.
 
 The result is a stream of SourceRecord in a stable order plus the class map (empty for an unlabelled
 corpus: a folder of images at any depth, or a manifest without labels). Nothing here holds the
-whole listing: manifests are read row by row (Parquet by record batch), folder trees and s3://
-prefixes one folder at a time, so the caller decides how the records are kept (the planner keeps
+whole listing: manifests are read row by row (Parquet by record batch), folder trees and object
+store prefixes one folder at a time, so the caller decides how the records are kept (the planner keeps
 them as columns); a manifest is read twice, a local folder tree listed twice. Nothing
 here reads image bytes; problems with individual rows (missing file, unknown label, a folder that
 cannot be listed) travel with the record as `problem` so the sharder can count them as rejects
@@ -19,16 +19,13 @@ import json
 import logging
 import os
 import posixpath
-import shutil
 import stat
 import tempfile
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
 
-import fsspec
-
-from vitforge.core import StorageError, UsageError, with_retries
+from vitforge.core import StorageError, Store, UsageError, object_store, open_store
 from vitforge.core import is_remote as is_url
 
 from .parallel import ordered_map
@@ -37,7 +34,6 @@ log = logging.getLogger("vitforge.shard")
 
 IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".ppm", ".pgm"}
 MANIFEST_SUFFIXES = (".csv", ".tsv", ".jsonl", ".json", ".parquet")
-S3_PAGE_KEYS = 1000  # keys per listing page (S3's most): what an S3 listing holds at a time
 # What a manifest's path and label cells may hold (nulls aside: those rows are rejects).
 EXPECTED_TYPES = {"path": "string", "label": "string (class name) or integer (class id)"}
 
@@ -48,7 +44,7 @@ class SourceError(UsageError):
 
 @dataclass
 class SourceRecord:
-    source: str  # local path or fsspec URL; may hold surrogate escapes for non-UTF-8 names
+    source: str  # local path or store URL; may hold surrogate escapes for non-UTF-8 names
     label: int | None  # None: the corpus is unlabelled, or (with a problem) the label is not in the class map
     size: int = 0  # bytes on the source, used to plan shard sizes; 0 when unknown
     meta: dict = field(default_factory=dict)
@@ -134,49 +130,25 @@ FileEntry = tuple  # (path relative to src with "/" separators, path or URL to r
 
 def _remote_files(src: str, by_class: bool) -> Iterator[FileEntry]:
     """Every object under src in the order sorting by relative path gives (by class folder name
-    first when `by_class`). S3 is listed one folder ("/"-delimited prefix) at a time, page by page,
-    each folder sorted here (S3-compatible stores do not all list in key order); other fsspec
-    stores are listed whole. Object stores have no links, and a listing error is the store's, for
-    the whole run."""
-    fs, top = fsspec.core.url_to_fs(src)
-    if "s3" not in fs.protocol:
-        found = fs.find(top, detail=True)
-        files = sorted((posixpath.relpath(p, top), fs.unstrip_protocol(p), info.get("size") or 0, None)
-                       for p, info in found.items() if info.get("type") != "directory")
-        yield from (sorted(files, key=lambda f: f[0].split("/", 1)[0]) if by_class else files)  # stable
-        return
-    bucket, key, _ = fs.split_path(top)
-    prefix = key.rstrip("/") + "/" if key else ""
-    first = _s3_folder(fs, bucket, prefix, top_by_class=by_class)
-    for name, size, _, _ in _depth_first(first, lambda folder: _s3_folder(fs, bucket, folder)):
-        yield name[len(prefix):], fs.unstrip_protocol(f"{bucket}/{name}"), size, None
+    first when `by_class`), whatever the store: listed one folder at a time (`list_folder`), each
+    folder sorted here (object stores do not all list in key order). Object stores have no links,
+    and a listing error is the store's, for the whole run."""
+    store = open_store(src)
+    first = _store_folder(store, "", top_by_class=by_class)
+    for name, size, _, _ in _depth_first(first, lambda folder: _store_folder(store, folder)):
+        yield name, store.url(name), size, None
 
 
-def _s3_folder(fs, bucket: str, folder: str, top_by_class: bool = False) -> list:
-    """(key, size, None, is_folder) of one folder's objects and subfolders, in relative-path order
+def _store_folder(store: Store, folder: str, top_by_class: bool = False) -> list:
+    """(name, size, None, is_folder) of one folder's objects and subfolders, in relative-path order
     (as `_folder_entries`). `top_by_class`: only its subfolders, in name order."""
-    keyed = []
-    for page in _s3_pages(fs, bucket, folder, "/"):
-        for sub in page.get("CommonPrefixes", []):
-            name = sub["Prefix"][len(folder):]
-            keyed.append((name[:-1] if top_by_class else name, (sub["Prefix"], 0, None, True)))
-        for obj in [] if top_by_class else page.get("Contents", []):
-            if not obj["Key"].endswith("/"):  # a folder marker, not a file
-                keyed.append((obj["Key"][len(folder):], (obj["Key"], obj.get("Size") or 0, None, False)))
+    subfolders, objects = store.list_folder(folder)
+    base = f"{folder}/" if folder else ""
+    keyed = [(sub if top_by_class else sub + "/", (base + sub, 0, None, True)) for sub in subfolders]
+    if not top_by_class:
+        keyed += [(name, (base + name, size, None, False)) for name, size in objects.items()]
     keyed.sort(key=lambda k: k[0])
     return [item for _, item in keyed]
-
-
-def _s3_pages(fs, bucket: str, prefix: str, delimiter: str) -> Iterator[dict]:
-    """ListObjectsV2 pages through s3fs's client and its retry bounds."""
-    token: dict = {}
-    while True:
-        page = fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=prefix, Delimiter=delimiter,
-                          MaxKeys=S3_PAGE_KEYS, **token)
-        yield page
-        if not page.get("IsTruncated"):
-            return
-        token = {"ContinuationToken": page["NextContinuationToken"]}
 
 
 def _local_files(src: str, follow_symlinks: bool, boundary: str, by_class: bool) -> Iterator[FileEntry]:
@@ -413,19 +385,15 @@ def _manifest_summary(path: str, local: str, typed: dict[str, str],
 
 
 def _local_manifest(path: str) -> str:
-    """A local manifest's own path; a remote one is downloaded (retried) to a temporary file that
-    the caller deletes, so both passes stream from disk."""
+    """A local manifest's own path; a remote one is downloaded (by its store, which retries) to a
+    temporary file that the caller deletes, so both passes stream from disk."""
     if not is_url(path):
         return path
     handle, local = tempfile.mkstemp(prefix="vitforge-manifest-", suffix=os.path.splitext(path)[1])
     os.close(handle)
-
-    def fetch() -> None:
-        with fsspec.open(path, "rb") as remote, open(local, "wb") as out:
-            shutil.copyfileobj(remote, out, 1 << 20)
-
     try:
-        with_retries(fetch, display_path(path))
+        store, name = object_store(path)
+        store.download(name, local)
     except BaseException:
         os.unlink(local)
         raise
@@ -607,8 +575,8 @@ def _size_of(record: SourceRecord) -> int:
         return 0
     try:
         if is_url(record.source):
-            fs, path = fsspec.core.url_to_fs(record.source)
-            return int(fs.info(path).get("size") or 0)
+            store, name = object_store(record.source)
+            return store.stat(name).size
         return os.stat(record.source).st_size
     except StorageError:
         raise  # the store itself failed: every later read would too
@@ -617,13 +585,10 @@ def _size_of(record: SourceRecord) -> int:
 
 
 def read_source(source: str) -> bytes:
-    """The bytes of one input; remote reads are retried, local ones fail at once."""
+    """The bytes of one input; remote reads are retried (by the store), local ones fail at once
+    with the file's own error (an unreadable image is a reject, not a failed store)."""
     if not is_url(source):
         with open(source, "rb") as f:
             return f.read()
-
-    def fetch() -> bytes:
-        with fsspec.open(source, "rb") as f:
-            return f.read()
-
-    return with_retries(fetch, display_path(source))
+    store, name = object_store(source)
+    return store.get_bytes(name)

@@ -42,6 +42,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vitforge.testing import LOCAL_SLURM_SETTINGS, start_local_s3
+
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 NAMESPACES = ("net", "uts", "mnt", "ipc")
@@ -475,9 +477,6 @@ def _setup_script(cluster: Cluster, name: str) -> str:
 
 
 def _slurm_conf(folder: Path, hosts: dict[str, Host]) -> str:
-    # Imported here: vitforge.cluster brings torch (seconds), which the store agent (this file) never needs.
-    from vitforge.cluster import LOCAL_SLURM_SETTINGS
-
     nodes = [h for h in hosts.values() if h.name.startswith("node")]
     node_lines = "\n".join(f"NodeName={h.name} NodeAddr={h.address} CPUs=4 RealMemory=1024 State=UNKNOWN"
                            for h in nodes)
@@ -635,8 +634,6 @@ def down_orphans(root) -> list[Path]:
 
 def _store_agent(folder: Path, address: str) -> None:
     import msgpack
-
-    from vitforge.local_s3 import start_local_s3
 
     log_path = folder / "s3_requests.jsonl"
     lock = threading.Lock()

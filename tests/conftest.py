@@ -15,8 +15,8 @@ import torch
 
 from faulty_proxy import FaultSchedule, start_proxy
 from vitforge.core import free_port
-from vitforge.local_s3 import start_local_s3
 from vitforge.synthetic import write_class_folders
+from vitforge.testing import start_local_s3, start_local_slurm, stop_local_slurm
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -177,8 +177,6 @@ def faulty(s3_server):
 @pytest.fixture(scope="session")
 def slurm(tmp_path_factory):
     """A real SLURM controller and node on localhost, for this test session."""
-    from vitforge.cluster import start_local_slurm, stop_local_slurm
-
     try:
         env = start_local_slurm(tmp_path_factory.mktemp("slurm"))
     except RuntimeError as e:
@@ -222,3 +220,38 @@ def weights(url: str) -> dict:
 
 def assert_same_weights(a: dict, b: dict) -> None:
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="session")
+def gcs_server(tmp_path_factory):
+    """fake-gcs-server on 127.0.0.1 for this session: its client environment, and `make_bucket()`
+    creating a fresh bucket there. A server that died says so, with its log, at the next bucket."""
+    from vitforge.testing import start_local_gcs
+
+    try:
+        server = start_local_gcs(str(tmp_path_factory.mktemp("fake-gcs")))
+    except RuntimeError as e:
+        pytest.fail(str(e))
+    yield {"env": server.env, "make_bucket": lambda: server.make_bucket("vf-" + uuid.uuid4().hex[:12]),
+           "server": server}
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def azure_server(tmp_path_factory):
+    """Azurite on 127.0.0.1 for this session: its client environment (the development account's
+    connection string), and `make_bucket()` creating a fresh container there."""
+    from vitforge.testing import start_local_azure
+
+    try:
+        server = start_local_azure(str(tmp_path_factory.mktemp("azurite")))
+    except RuntimeError as e:
+        pytest.fail(str(e))
+
+    def make_bucket() -> str:
+        name = "vf-" + uuid.uuid4().hex[:12]
+        server.client().create_container(name)
+        return name
+
+    yield {"env": server.env, "make_bucket": make_bucket, "server": server}
+    server.stop()

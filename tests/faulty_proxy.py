@@ -17,8 +17,10 @@ SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Co
 
 class FaultSchedule:
     def __init__(self, slow_down_every: int, reset_every: int, cut_body_every: int, latency_s: float = 0.0,
-                 flip_once: str | None = None):
+                 flip_once: str | None = None, cut_only: tuple[str, ...] | None = None):
         self.every = {"slow_down": slow_down_every, "reset": reset_every, "cut_body": cut_body_every}
+        # the methods whose answers may be cut (None: all), for a server that cannot take a resent part
+        self.cut_only = cut_only
         self.latency_s = latency_s  # added to every request: a slow link, so work can be caught mid-upload
         # the first GET of a path holding this gets one byte of its answer flipped: a bit error on the way
         self.flip_once = flip_once
@@ -34,10 +36,12 @@ class FaultSchedule:
                 self.flip_once = None
             return hit
 
-    def next_fault(self) -> str | None:
+    def next_fault(self, command: str) -> str | None:
         with self.lock:
             self.count += 1
             for name, every in self.every.items():
+                if name == "cut_body" and self.cut_only is not None and command not in self.cut_only:
+                    continue
                 if every and self.count % every == 0:
                     self.injected[name] += 1
                     return name
@@ -64,7 +68,7 @@ def start_proxy(backend_port: int, schedule: FaultSchedule) -> tuple[ThreadingHT
             schedule.requests.append((self.command, self.path))
             if schedule.latency_s:
                 time.sleep(schedule.latency_s)
-            fault = schedule.next_fault()
+            fault = schedule.next_fault(self.command)
             if fault == "reset":
                 self.close_connection = True
                 _reset(self.connection)

@@ -289,7 +289,7 @@ def test_non_finite_loss_stops_before_any_checkpoint_of_it(data):
 
 @pytest.mark.parametrize("override, message, code", [
     ("model.name=vit_nonexistent_patch16", "model.name: unknown model 'vit_nonexistent_patch16'", errors.USAGE),
-    ("checkpoint.dir=gs://bucket/runs", "only a local folder, file:// or s3:// is supported", errors.USAGE),
+    ("checkpoint.dir=hdfs://bucket/runs", "no store for hdfs:// (a local folder, or one of", errors.USAGE),
     ("checkpoint.dir=s3:///runs", "no bucket in the s3:// URL", errors.USAGE),
     ("train.steps=-5", "train.steps: Input should be greater than or equal to 1", errors.USAGE),
     ("train.checkpoint_every=0", "train.checkpoint_every: Input should be greater than or equal to 1", errors.USAGE),
@@ -330,7 +330,7 @@ def test_denials_are_not_retried_and_throttling_is():
     from botocore.exceptions import ClientError
 
     from vitforge.core import StorageError, with_retries
-    from vitforge.core.store import _named
+    from vitforge.core.store_s3 import _named
 
     def failing(code: str, status: int):
         calls = []

@@ -14,7 +14,8 @@ from conftest import EXTENSIONS, REPO, SECRET, assert_same_weights, losses, trai
 from vitforge.cluster import load_spec, render
 from vitforge.cluster import slurm as slurm_commands
 from vitforge.cluster.slurm import parse_partitions
-from vitforge.cluster.spec import SPECS, check_against
+from vitforge.cluster.render import render_merge, render_shard_array
+from vitforge.cluster.spec import SPECS, SpecError, check_against
 from vitforge.core import errors
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
@@ -49,6 +50,18 @@ def test_spec_errors_name_the_key_and_secrets_never_reach_a_script(tmp_path):
     script = vitforge("submit", "vit_h14_pretrain_64nodes", "--dry-run",
                       env={"AWS_SECRET_ACCESS_KEY": SECRET, "AWS_SESSION_TOKEN": SECRET}).stdout
     assert SECRET not in script
+
+
+@pytest.mark.parametrize("name", ["AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_KEY", "AZURE_STORAGE_SAS_TOKEN",
+                                  "GOOGLE_APPLICATION_CREDENTIALS", "AZURE_CLIENT_SECRET"])
+def test_every_clouds_credentials_are_inherited_never_written(name):
+    """GCS and Azure credentials are refused in a spec like AWS's, and reach the job by inheritance:
+    the script asks sbatch for the submitting environment whatever the site's default."""
+    with pytest.raises(SpecError, match="credentials are never written into a job script"):
+        load_spec("tiny_cpu", [f"env={{{name}: {SECRET}}}"])
+    assert "#SBATCH --export=ALL" in render(load_spec("tiny_cpu"))
+    shard = load_spec("imagenet21k_shard")
+    assert all("#SBATCH --export=ALL" in script for script in (render_shard_array(shard), render_merge(shard)))
 
 
 def test_memory_and_gpu_type_requests():

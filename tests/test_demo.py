@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from conftest import EXTENSIONS, vitforge
-from vitforge.cluster import local_slurm_missing
+from vitforge.testing import local_slurm_missing
 
 
 def test_the_demo_trains_is_preempted_resumes_from_the_store_and_reports(tmp_path):

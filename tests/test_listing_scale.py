@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import REPO
-from vitforge.shards import sources
+from vitforge.core import store_s3
 from vitforge.shards.sources import list_corpus
 
 ROWS = 200_000
@@ -113,7 +113,7 @@ def test_an_s3_tree_lists_page_by_page_in_the_local_order(tricky_tree, s3_env, s
     for path in sorted(p for p in tricky_tree.rglob("*") if p.is_file()):
         key = f"raw/{path.relative_to(tricky_tree).as_posix()}"
         s3_server["client"].put_object(Bucket=bucket, Key=key, Body=path.read_bytes())
-    monkeypatch.setattr(sources, "S3_PAGE_KEYS", 2)  # several pages per class, and for the class names
+    monkeypatch.setattr(store_s3, "LIST_PAGE_KEYS", 2)  # several pages per class, and for the class names
     for labelled in (True, False):
         local = list_corpus(str(tricky_tree), labelled=labelled)
         remote = list_corpus(f"s3://{bucket}/raw", labelled=labelled)

@@ -311,6 +311,91 @@ def test_bad_spec_values_are_named():
             LoaderSpec("x", **{"batch_size": 1, **kwargs})
 
 
+def test_an_unknown_backend_is_refused_naming_the_registered_ones():
+    from vitforge.pipeline import backend_names, find_backend
+    from vitforge.trainer import ConfigError, load_config
+
+    known = "(dali, dali-cpu, synthetic, torch)"
+    assert backend_names() == ["dali", "dali-cpu", "synthetic", "torch"]
+    for refuse in (lambda: LoaderSpec("x", batch_size=1, backend="dalli"), lambda: find_backend("dalli"),
+                   lambda: load_config("tiny_cpu", ["data.backend=dalli"])):
+        with pytest.raises(ValueError, match=r"backend must be auto or a registered loader backend") as caught:
+            refuse()
+        assert known in str(caught.value) and "'dalli'" in str(caught.value)
+    with pytest.raises(ConfigError, match=r"^.*tiny_cpu.yaml: data.backend: "):
+        load_config("tiny_cpu", ["data.backend=dalli"])
+
+
+def test_a_backend_registered_by_name_is_built_by_the_loader(monkeypatch):
+    from vitforge.core import UsageError
+    from vitforge.pipeline import backend as registry
+    from vitforge.pipeline import backend_names, register_backend
+
+    with pytest.raises(UsageError, match="already registered"):
+        register_backend("torch")(lambda *args: None)
+    with pytest.raises(UsageError, match="cannot be one"):
+        register_backend("auto")(lambda *args: None)
+    monkeypatch.setattr(registry, "_backends", dict(registry._backends))  # the registration ends with the test
+    built = []
+
+    @register_backend("ones", reads_dataset=False)
+    def ones(spec, index, device, num_classes):
+        backend = registry.SyntheticBackend(spec, num_classes, device)
+        backend.name, backend.images = "ones", torch.ones_like(backend.images)
+        built.append((index, num_classes))
+        return backend
+
+    assert "ones" in backend_names()
+    loader = build_loader(LoaderSpec("unused", batch_size=2, image_size=8, backend="ones"), synthetic_samples=6,
+                          synthetic_classes=3)
+    assert [b["image"].sum().item() for b in loader] == [2 * 3 * 8 * 8] * 3 and built == [(None, 3)]
+    assert loader.stats()["backend"] == "ones"
+
+
+def test_the_trainer_config_embeds_the_loader_settings_declared_once():
+    """data.* keys are LoaderSettings' fields (type, default, bounds, doc), plus the data sets;
+    LoaderSpec.of carries every one of them into the loader."""
+    from vitforge.pipeline import LoaderSettings
+    from vitforge.trainer import load_config
+    from vitforge.trainer.config import DataConfig
+
+    assert set(DataConfig.model_fields) == set(LoaderSettings.model_fields) | {"train", "val"}
+    for schema in (DataConfig, LoaderSpec):
+        for name, field in LoaderSettings.model_fields.items():
+            mine = schema.model_fields[name]
+            assert (mine.annotation, mine.default, mine.metadata, mine.description) == \
+                (field.annotation, field.default, field.metadata, field.description), (schema, name)
+            assert field.description, name  # documented (docs/CONFIG.md is generated from it)
+    overrides = ["data.train=/x", "data.workers=3", "data.prefetch=5", "data.overlap=off", "data.subset=0.5",
+                 "data.seed=7", "data.partitions=4", "data.cache_dir=/c", "data.cache_gb=1.5",
+                 "data.read_block_mb=2", "data.shards_ahead=0", "data.backend=torch"]
+    data = load_config("tiny_cpu", overrides).data
+    made = LoaderSpec.of(data, "/x", batch_size=4)
+    assert {n: getattr(made, n) for n in LoaderSettings.model_fields} == \
+        {n: getattr(data, n) for n in LoaderSettings.model_fields}
+    assert (made.workers, made.overlap, made.subset, made.cache_gb) == (3, "off", 0.5, 1.5)
+    assert LoaderSpec.of(data, "/x", batch_size=4, subset=None).subset is None  # a call overrides a setting
+
+
+def test_every_backend_yields_the_same_batch_keys(dataset):
+    from vitforge.pipeline import Backend, Batch
+
+    keys = set(Batch.__required_keys__)
+    assert keys == {"image", "label", "real", "key", "position", "bad", "reads"}
+    for backend in ("synthetic", *BACKENDS):
+        loader = build_loader(spec(dataset, backend=backend, train=False), synthetic_samples=16)
+        assert isinstance(loader.backend, Backend), backend
+        batch = next(iter(loader))
+        assert set(batch) == keys, backend
+        assert batch["image"].shape == (8, 3, 32, 32) and batch["image"].dtype == torch.float32, backend
+        assert batch["label"].dtype == batch["position"].dtype == torch.int64, backend
+        assert batch["real"].dtype == torch.bool and len(batch["real"]) == 8, backend
+        assert isinstance(batch["key"], list) and isinstance(batch["bad"], list), backend
+        assert isinstance(batch["reads"], dict), backend
+        if backend != "synthetic":
+            assert len(batch["key"]) == 8 and batch["reads"]["bytes"] > 0, (backend, batch["reads"])
+
+
 def test_torch_worker_processes_keep_the_order(dataset):
     single = run_epoch(build_loader(spec(dataset, backend="torch", workers=0)))
     multi = run_epoch(build_loader(spec(dataset, backend="torch", workers=2)))

@@ -208,7 +208,8 @@ def test_shipped_recipes_validate():
 
 
 def test_slurm_variables_map_to_torch_ones():
-    from vitforge.trainer.distributed import detect_env, first_host
+    from vitforge.core import first_host
+    from vitforge.trainer.distributed import detect_env
 
     assert first_host("gpu[07-09,12],cpu1") == "gpu07"
     assert first_host("node5,node6") == "node5"

@@ -103,3 +103,76 @@ def test_the_benchmark_summary_reads_goal_and_comparison_lines():
     assert [(r["value"], r["goal"], r["met"]) for r in rows] == [
         ("1.42x", ">= 1.5x", False), ("+2.8%", "<= 5%", True), ("1.00x", "<= 1.0x", True), ("4.00x", "-", None)]
     assert rows[0]["figure"] == "best CPU backend (dali-cpu) vs baseline, per CPU-second"
+
+
+def test_one_version_string_in_the_package_metadata_and_the_cli():
+    from importlib.metadata import version
+
+    from conftest import vitforge
+    from vitforge.core import __version__
+
+    assert version("vitforge") == __version__  # pyproject.toml reads it from vitforge.core
+    assert vitforge("--version").stdout.strip() == f"vitforge {__version__}"
+
+
+PRODUCT_PACKAGES = ("core", "shards", "pipeline", "trainer", "cluster")
+# The other vitforge packages each product package may import, as docs/ARCHITECTURE.md states the rules.
+# Neither the `vitforge` front-end (the CLI) nor `vitforge.testing` (the local stand-ins) is among them.
+MAY_IMPORT = {"core": set(), "shards": {"core"}, "pipeline": {"core", "shards"}, "trainer": {"core", "pipeline"},
+              "cluster": {"core", "shards", "pipeline", "trainer"}}
+
+
+def _vitforge_imports(path, package: str):
+    """(line, package imported) for every vitforge import in one file, at any depth (lazy ones too),
+    relative ones resolved against `package`, the dotted package the file belongs to."""
+    import ast
+
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[:len(package.split(".")) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            names = [f"{module}.{alias.name}" for alias in node.names]  # `from vitforge import testing`
+        else:
+            continue
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "vitforge":
+                imported = parts[1] if len(parts) > 1 else "vitforge"
+                yield node.lineno, imported if imported in (*PRODUCT_PACKAGES, "testing") else "vitforge"
+
+
+def _product_imports(root):
+    for top in PRODUCT_PACKAGES:
+        for path in sorted((root / top).rglob("*.py")):
+            folders = path.relative_to(root).parent.parts  # (top, subpackage, ...)
+            for line, imported in _vitforge_imports(path, ".".join(("vitforge", *folders))):
+                if imported != top:
+                    yield top, imported, f"{path.relative_to(root)}:{line}"
+
+
+def test_the_import_walk_resolves_absolute_relative_and_lazy_imports(tmp_path):
+    (tmp_path / "trainer" / "sub").mkdir(parents=True)
+    (tmp_path / "trainer" / "sub" / "m.py").write_text(
+        "import vitforge.core\nfrom ..pipeline_like import x\nfrom ... import shards\n"
+        "def f():\n    from vitforge import testing\n    from . import y\n")
+    found = sorted(_vitforge_imports(tmp_path / "trainer" / "sub" / "m.py", "vitforge.trainer.sub"))
+    assert found == [(1, "core"), (2, "trainer"), (3, "shards"), (5, "testing"), (6, "trainer")]
+
+
+def test_no_product_package_imports_the_local_stand_ins_or_the_cli():
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    bad = [where for _, imported, where in _product_imports(repo) if imported in ("testing", "vitforge")]
+    assert not bad, f"product code imports vitforge.testing or the vitforge front-end: {bad}"
+
+
+def test_product_packages_import_only_in_the_documented_direction():
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    bad = [f"{where}: {top} imports {imported}" for top, imported, where in _product_imports(repo)
+           if imported not in MAY_IMPORT[top]]
+    assert not bad, "imports against the rules in docs/ARCHITECTURE.md:\n" + "\n".join(bad)

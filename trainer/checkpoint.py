@@ -1,7 +1,10 @@
 """Save and restore everything a run needs to continue exactly, through an object store.
 
-Save (collective): every rank writes its DeepSpeed files and its own state (loader position, RNG)
-to node-local staging, and training continues at once; a background uploader per rank sends them
+The run's state is DeepSpeed's (model, optimiser) plus the named parts the Checkpointer is handed
+(state.StateParts: the loader position, RNG, EMA, ...).
+
+Save (collective): every rank writes its DeepSpeed files and its per-rank parts (rank 0 also the
+shared ones) to node-local staging, and training continues at once; a background uploader per rank sends them
 to DIR/RUN/step_N/ and writes a receipt. Rank 0's uploader waits for every receipt, writes
 manifest.json, renews the run's lease and moves `latest`, then applies retention. At most one
 upload is in flight per rank: the next save waits for it (and says how long).
@@ -19,7 +22,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import re
 import shutil
 import socket
@@ -30,7 +32,6 @@ import threading
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -38,23 +39,17 @@ from vitforge.core import CheckpointError, StorageError, VitforgeError, __versio
 
 from .distributed import agree, all_ok
 from .run_store import LATEST, MANIFEST, MANIFEST_VERSION, METRICS, RECEIPTS, UNIVERSAL, Lease, RunStore, tag_for
+from .state import RankBound, StateParts
 
 log = logging.getLogger("vitforge.checkpoint")
 CLAIM_SLICE_S = 2.0  # the longest one collective waits while rank 0 watches another job's lease
 RANK_FILE = re.compile(r"(?:zero_pp_rank_|^rank)(\d+)_")
+SHARED_STATE = "shared_state.pt"  # the shared parts, written by rank 0
 
 
-def rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+def rank_state(rank: int) -> str:
+    """The file of a rank's own parts."""
+    return f"rank{rank}_state.pt"
 
 
 def universal_reads(optimizer) -> set[str] | None:
@@ -102,9 +97,10 @@ def needed_files(names: list[str], ranks: set[int], everything: bool) -> list[st
 class Restored:
     step: int
     tag: str
-    mine: dict  # this rank's state: loader position
-    shared: dict  # rank 0's: EMA weights
     manifest: dict
+    resharded: bool  # saved at another world size
+    per_rank: dict  # the saved per-rank parts this rank loads (rank 0's when resharded), by name
+    shared: dict  # the saved shared parts, by name
 
 
 class Uploader:
@@ -143,8 +139,10 @@ class Uploader:
 
 class Checkpointer:
     def __init__(self, run_url: str, staging: str | None, keep_last: int | None, keep_every: int | None,
-                 lease_minutes: float, upload_timeout_minutes: float, metrics_path: str | None):
+                 lease_minutes: float, upload_timeout_minutes: float, metrics_path: str | None,
+                 parts: StateParts | None = None):
         self.run = RunStore(run_url)
+        self.parts = parts or StateParts()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         base = staging or tempfile.gettempdir()
         # One staging folder per run on each node, one subfolder per rank: ranks never share files.
@@ -191,7 +189,7 @@ class Checkpointer:
             self.lease.release()
 
     # -- saving ------------------------------------------------------------------------------
-    def save(self, engine, step: int, mine: dict, shared: dict, manifest_extra: dict) -> None:
+    def save(self, engine, step: int, manifest_extra: dict) -> None:
         """Collective. Returns once the local write is done; the upload continues in the background."""
         waited = self.uploader.wait()
         if waited > 0.05:
@@ -210,9 +208,11 @@ class Checkpointer:
         write_start = time.perf_counter()
         engine.save_checkpoint(folder, tag=tag, client_state={"step": step}, save_latest=False)
         deepspeed_s = time.perf_counter() - write_start
-        torch.save({**mine, "rng": rng_state()}, os.path.join(folder, tag, f"rank{self.rank}_state.pt"))
-        if self.rank == 0 and shared:
-            torch.save(shared, os.path.join(folder, tag, "shared_state.pt"))
+        torch.save({name: part.state_dict() for name, part in self.parts.per_rank.items()},
+                   os.path.join(folder, tag, rank_state(self.rank)))
+        if self.rank == 0 and self.parts.shared:
+            torch.save({name: part.state_dict() for name, part in self.parts.shared.items()},
+                       os.path.join(folder, tag, SHARED_STATE))
         metrics = None
         if self.rank == 0 and self.metrics_path and os.path.exists(self.metrics_path):
             metrics = os.path.join(folder, METRICS)
@@ -262,7 +262,8 @@ class Checkpointer:
     # -- restoring ---------------------------------------------------------------------------
     def restore(self, engine_for, resume) -> tuple[object, Restored | None]:
         """Collective. `engine_for(universal: bool)` builds the engine (DeepSpeed must know at
-        construction whether it will load a universal checkpoint). Returns (engine, restored or None)."""
+        construction whether it will load a universal checkpoint). Loads the parts from the first
+        usable checkpoint; returns (engine, restored or None)."""
         candidates = agree(lambda: self.run.candidates(resume))
         if not candidates:
             return engine_for(False), None
@@ -278,8 +279,12 @@ class Checkpointer:
                 (self._fetch(tag, manifest), tag)
             return engine, self._load(engine, load_dir, ds_tag, tag, manifest, resharded)
 
-        return self.run.first_usable(candidates, attempt, explicit=resume not in ("auto", "never"),
-                                     advice="; set checkpoint.resume=never to start afresh")
+        engine, restored = self.run.first_usable(candidates, attempt, explicit=resume not in ("auto", "never"),
+                                                 advice="; set checkpoint.resume=never to start afresh")
+        # After the choice: a part that refuses its state (the loader, for another dataset) is an
+        # error of this run, not a reason to fall back to an older checkpoint.
+        self._load_parts(restored)
+        return engine, restored
 
     def _node(self) -> tuple[list[int], bool]:
         """This node's ranks (those sharing this host and staging folder, so its files) and whether
@@ -356,7 +361,7 @@ class Checkpointer:
                 if self.rank == 0 and converted:
                     return converted  # rank 0's node holds the whole conversion (and the checkpoint) already
                 shutil.rmtree(self.download_dir, ignore_errors=True)
-                self._fetch_files(tag, [n for n in ("rank0_state.pt", "shared_state.pt") if n in manifest["files"]],
+                self._fetch_files(tag, [n for n in (rank_state(0), SHARED_STATE) if n in manifest["files"]],
                                   manifest)
                 return os.path.join(self._fetch_files(tag, universal_files(marker["files"], node_reads), marker), tag)
 
@@ -402,26 +407,32 @@ class Checkpointer:
             path, _ = engine.load_checkpoint(load_dir, tag=ds_tag, load_module_strict=True)
             if path is None:
                 raise CheckpointError(f"{self.run.object_url(tag)}: DeepSpeed could not load the checkpoint")
-            state_rank = 0 if resharded else self.rank
             base = os.path.join(self.restored_files, tag)
-            mine = torch.load(os.path.join(base, f"rank{state_rank}_state.pt"), weights_only=False)
-            shared_path = os.path.join(base, "shared_state.pt")
+            per_rank = torch.load(os.path.join(base, rank_state(0 if resharded else self.rank)), weights_only=False)
+            shared_path = os.path.join(base, SHARED_STATE)
             shared = torch.load(shared_path, weights_only=False) if os.path.exists(shared_path) else {}
-            return mine, shared
+            return per_rank, shared
 
         try:
-            mine, shared = load()
+            per_rank, shared = load()
         except RuntimeError as e:  # a size mismatch: the checkpoint is of another model
             raise CheckpointError(f"{self.run.object_url(tag)}: does not fit this model: {_first_line(e)}") from None
-        saved_rng = mine.pop("rng")
-        if resharded:
-            seed = manifest["config"]["train"]["seed"] + 1000003 * manifest["step"] + self.rank
-            random.seed(seed)
-            np.random.seed(seed % 2**32)
-            torch.manual_seed(seed)
-        else:
-            set_rng_state(saved_rng)
-        return Restored(manifest["step"], tag, mine, shared, manifest)
+        return Restored(manifest["step"], tag, manifest, resharded, per_rank, shared)
+
+    def _load_parts(self, restored: Restored) -> None:
+        """Every part from its saved state. At another world size a RankBound part restarts from a
+        seed of (the run's seed, step, rank) instead. A part the checkpoint lacks (added since it
+        was saved) keeps its fresh state."""
+        seed = restored.manifest["config"]["train"]["seed"] + 1000003 * restored.step + self.rank \
+            if restored.resharded else None
+        for saved, parts in ((restored.per_rank, self.parts.per_rank), (restored.shared, self.parts.shared)):
+            for name, part in parts.items():
+                if seed is not None and saved is restored.per_rank and isinstance(part, RankBound):
+                    part.restart(seed)
+                elif name in saved:
+                    part.load_state_dict(saved[name])
+                else:
+                    log.info("%s holds no %r state: it starts fresh", self.run.object_url(restored.tag), name)
 
 
 def _first_line(error: Exception) -> str:

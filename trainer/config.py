@@ -7,26 +7,20 @@ checked once, here, with a message that shows the numbers.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from vitforge.core import UsageError
-from vitforge.core.settings import load_validated
+from vitforge.core import UsageError, is_remote, store_schemes
+from vitforge.core.store import scheme_of
+from vitforge.core.settings import Switch, load_validated
+from vitforge.pipeline import LoaderSettings
 
 RECIPES = Path(__file__).resolve().parent / "recipes"
 
 
 class ConfigError(UsageError):
     kind = "config error"
-
-
-def _switch(value):
-    # YAML reads a bare on / off as true / false.
-    return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
-
-
-Switch = Annotated[Literal["auto", "on", "off"], BeforeValidator(_switch)]
 
 
 class Strict(BaseModel):
@@ -57,39 +51,16 @@ class ModelConfig(Strict):
     compiled graph, checkpoint keys are unchanged); the first steps pay the compile time. ZeRO <= 2."""
 
 
-class DataConfig(Strict):
+class DataConfig(LoaderSettings):
+    """Where the data is, and how each rank's loader reads it (the loader's settings, pipeline/spec.py)."""
+
+    model_config = ConfigDict(frozen=False, validate_assignment=True)
+
     train: str
     """Training shards: a folder or s3:// prefix holding dataset.json (from `vitforge shard`), tar
     paths from any WebDataset writer (a glob or {000000..000099} braces), or "synthetic"."""
     val: str | None = None
     """Held-out shards for evaluation (the same forms); null: no evaluation."""
-    backend: Literal["auto", "dali", "dali-cpu", "torch", "synthetic"] = "auto"
-    """auto: DALI with GPU ("mixed") JPEG decode on a GPU, DALI on the CPU elsewhere, torch when DALI
-    is not installed."""
-    workers: int = Field(4, ge=0)
-    """Decode processes (torch) or threads (DALI) per rank."""
-    prefetch: int = Field(2, ge=1)
-    """Batches decoded ahead of the step (DALI's queue, torch's per worker)."""
-    overlap: Switch = "auto"
-    """DALI decodes ahead in its own threads: auto = on a GPU (on a CPU the step needs the same cores)."""
-    subset: float | int | None = Field(None, gt=0)
-    """Train on a deterministic subset: a fraction (0.1, with a decimal point) or a sample count
-    (5000); for one seed the smaller subsets are inside the larger ones. Eval sees all of data.val."""
-    seed: int = 0
-    """Seeds the sample order, crops, flips, RandAugment, Mixup/CutMix and masks."""
-    partitions: int | None = Field(None, ge=1)
-    """Partitions of the sample order, fixed when the run starts (null: the number of ranks then).
-    A resume at any world size is exact; store egress stays one copy of the dataset per epoch when
-    the number of ranks divides it, so pick a multiple of the sizes you will run at."""
-    cache_dir: str | None = None
-    """s3:// datasets are fetched shard by shard into a node-local cache shared by the node's ranks,
-    in this folder; null: $VITFORGE_CACHE_DIR, else the temp folder."""
-    cache_gb: float = Field(32.0, gt=0)
-    """The cache's size limit, per node and dataset; what the order needs last is removed first."""
-    read_block_mb: float = Field(16.0, gt=0)
-    """Size of the parallel ranged GETs that fetch a shard."""
-    shards_ahead: int = Field(2, ge=0)
-    """Shards fetched ahead of need, per reader."""
 
 
 class AugmentConfig(Strict):
@@ -151,9 +122,10 @@ class OptimizerConfig(Strict):
 
 
 class TrainConfig(Strict):
-    objective: Literal["classification", "masked_patch_prediction"] = "classification"
-    """classification, or masked_patch_prediction (the paper's self-supervised pre-training: predict
-    corrupted patches' mean colours; needs no labels; fine-tune from it with checkpoint.init_from)."""
+    objective: str = "classification"
+    """A registered objective: classification, or masked_patch_prediction (the paper's
+    self-supervised pre-training: predict corrupted patches' mean colours; needs no labels;
+    fine-tune from it with checkpoint.init_from)."""
     steps: int = Field(ge=1)
     """Optimizer steps of the whole run (the learning-rate schedule spans them)."""
     global_batch: int = Field(ge=1)
@@ -199,7 +171,7 @@ class TrainConfig(Strict):
 
 class CheckpointConfig(Strict):
     dir: str = "runs"
-    """A local folder, file:// or s3://BUCKET/PREFIX; the run lives in DIR/RUN."""
+    """A local folder, file:// or a store's URL (s3://, gs://, az://BUCKET/PREFIX); the run lives in DIR/RUN."""
     run: str = "run"
     """The run's name: one folder of checkpoints, owned by one job at a time."""
     init_from: str | None = None
@@ -226,10 +198,12 @@ class CheckpointConfig(Strict):
     @field_validator("dir")
     @classmethod
     def _known_scheme(cls, value: str) -> str:
-        if "://" in value and not value.startswith(("file://", "s3://")):
-            raise ValueError(f"{value!r}: only a local folder, file:// or s3:// is supported")
-        if value.startswith("s3://") and not value[len("s3://"):].split("/", 1)[0]:
-            raise ValueError(f"{value!r}: no bucket in the s3:// URL")
+        scheme = scheme_of(value)
+        if scheme not in store_schemes():
+            raise ValueError(f"{value!r}: no store for {scheme}:// (a local folder, or one of "
+                             f"{', '.join(s + '://' for s in store_schemes())})")
+        if is_remote(value) and not value.split("://", 1)[1].split("/", 1)[0]:
+            raise ValueError(f"{value!r}: no bucket in the {scheme}:// URL")
         return value
 
     @field_validator("run")
@@ -266,12 +240,11 @@ class Config(Strict):
 
     @model_validator(mode="after")
     def _objective_fits(self):
-        if self.train.objective == "masked_patch_prediction":
-            mixing = [f"augment.{k}" for k in ("mixup", "cutmix", "label_smoothing") if getattr(self.augment, k)]
-            if mixing or self.model.pre_logits:
-                raise ValueError(f"train.objective masked_patch_prediction predicts patch colours: "
-                                 f"{', '.join(mixing + ['model.pre_logits'] * self.model.pre_logits)} "
-                                 "only apply to classification")
+        # The objective registry (trainer/objective.py) knows the names and what each refuses;
+        # imported here because it imports this module (ConfigError).
+        from .objective import check_config
+
+        check_config(self)
         return self
 
     @model_validator(mode="after")

@@ -1,5 +1,5 @@
-"""Where this process sits in the job: torchrun / deepspeed launcher variables, or SLURM's mapped to
-them; and the few collectives the trainer builds on.
+"""Where this process sits in the job (read by vitforge.core's scheduler table: torchrun / deepspeed
+launcher variables, or SLURM's mapped to them); and the few collectives the trainer builds on.
 
 The rule for collectives: a tensor handed to dist.all_reduce / broadcast / all_gather /
 reduce_scatter lives on the engine's device (the one `init_distributed` returns): NCCL takes only
@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import replace
 from datetime import timedelta
 from typing import Callable, TypeVar
 
@@ -29,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from vitforge.core import free_port
+from vitforge.core import SchedulerEnv, free_port, scheduler_env
 
 from .config import ConfigError
 
@@ -39,46 +38,13 @@ T = TypeVar("T")
 S = TypeVar("S")
 
 
-@dataclass(frozen=True)
-class DistEnv:
-    rank: int
-    world_size: int
-    local_rank: int
-    master_addr: str
-    master_port: int
-    # Ranks per node; the ranks of node n are n*L .. n*L+L-1 (torchrun's numbering, and srun's block
-    # distribution, the default). 1 when the launcher does not say.
-    local_world_size: int = 1
-
-
-def first_host(nodelist: str) -> str:
-    """The first host of a SLURM node list such as 'gpu[07-09,12],cpu1' (what `scontrol show hostnames`
-    prints first)."""
-    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
-    if not match:
-        raise ValueError(f"cannot read SLURM node list {nodelist!r}")
-    prefix, ranges = match.groups()
-    if not ranges:
-        return prefix
-    return prefix + ranges.split(",")[0].split("-")[0]
-
-
-def detect_env(environ: dict | None = None) -> DistEnv:
-    """Read the launcher's variables; under srun, map SLURM's. Sets RANK etc. for torch and DeepSpeed."""
+def detect_env(environ: dict | None = None) -> SchedulerEnv:
+    """Where this process sits (the scheduler table in vitforge.core), with a free port when no
+    launcher named one. Sets RANK etc. for torch and DeepSpeed."""
     env = os.environ if environ is None else environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        result = DistEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
-                         env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500)),
-                         int(env.get("LOCAL_WORLD_SIZE", 1)))
-    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        job = int(env.get("SLURM_JOB_ID", "0"))
-        result = DistEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)),
-                         env.get("MASTER_ADDR") or first_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1")),
-                         int(env.get("MASTER_PORT") or 20000 + job % 20000),
-                         int(re.match(r"\d+", env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
-                                      or "1").group()))
-    else:
-        result = DistEnv(0, 1, 0, "127.0.0.1", free_port())
+    result = scheduler_env(env)
+    if not result.master_port:
+        result = replace(result, master_port=free_port())
     env.update(RANK=str(result.rank), WORLD_SIZE=str(result.world_size), LOCAL_RANK=str(result.local_rank),
                LOCAL_WORLD_SIZE=str(result.local_world_size), MASTER_ADDR=result.master_addr,
                MASTER_PORT=str(result.master_port))
@@ -106,7 +72,7 @@ def check_socket_interfaces(environ: dict | None = None) -> None:
                               "network_interface sets both variables)")
 
 
-def init_distributed(env: DistEnv, timeout_s: float = 600.0) -> torch.device:
+def init_distributed(env: SchedulerEnv, timeout_s: float = 600.0) -> torch.device:
     """NCCL on GPUs (one per local rank), gloo on CPU. The rendezvous and every collective give up
     after `timeout_s` (gloo raises; NCCL's watchdog may abort the process instead)."""
     import deepspeed
@@ -144,7 +110,7 @@ class PeerWatch:
 
     PREFIX = "vitforge/peers/"
 
-    def __init__(self, env: DistEnv, timeout_s: float):
+    def __init__(self, env: SchedulerEnv, timeout_s: float):
         self.env = env
         self.node = env.rank // env.local_world_size
         self.nodes = -(-env.world_size // env.local_world_size)

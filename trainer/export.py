@@ -25,10 +25,10 @@ import torch
 from vitforge.core import CheckpointError, UsageError, atomic_path, atomic_write
 from vitforge.pipeline import IMAGENET_MEAN, IMAGENET_STD
 
-from .checkpoint import needed_files
+from .checkpoint import SHARED_STATE, needed_files
 from .distributed import agree, agree_keeping, broadcast_state
-from .model import PreLogitsHead, build_model, check_model_name
-from .objective import OBJECTIVES
+from .model import build_model, check_model_name
+from .objective import OBJECTIVES, PreLogitsHead, saved_objective
 from .run_store import RunStore, split_checkpoint_url
 
 log = logging.getLogger("vitforge.export")
@@ -67,7 +67,7 @@ def _consolidate(run: RunStore, tag: str, scratch: str, prefer_ema: bool) -> Con
         raise CheckpointError(f"{run.object_url(tag)}: zero-to-fp32 could not consolidate it: {e}") from None
     state = {k.removeprefix("module."): v.detach() for k, v in state.items()}
     weights = "model"
-    shared = os.path.join(folder, tag, "shared_state.pt")
+    shared = os.path.join(folder, tag, SHARED_STATE)
     if prefer_ema and os.path.exists(shared):
         ema = torch.load(shared, weights_only=False).get("ema")
         if ema:
@@ -117,7 +117,7 @@ def load_broadcast(model: torch.nn.Module, state: dict | None, where: str, devic
 
 def trained_model(weights: Consolidated) -> torch.nn.Module:
     """The model the checkpoint was trained as, holding its weights (built on the meta device)."""
-    objective = weights.manifest.get("objective", "classification")
+    objective = saved_objective(weights.manifest)
     saved = weights.manifest.get("config", {}).get("model", {})
     check_model_name(saved["name"])
     with torch.device("meta"):
@@ -134,7 +134,7 @@ def model_description(manifest: dict, exported: torch.nn.Module) -> dict:
     return {"model": model.get("name"), "image_size": model.get("image_size"),
             "pre_logits": isinstance(getattr(exported, "head", None), PreLogitsHead),
             "num_classes": exported.num_classes, "classes": manifest.get("classes") if exported.num_classes else None,
-            "objective": manifest.get("objective", "classification"),
+            "objective": saved_objective(manifest),
             "mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD), "step": manifest.get("step")}
 
 
@@ -145,7 +145,7 @@ def export(url: str, out: str, scratch: str, include_head: bool = False) -> dict
     if not out.endswith(".safetensors"):
         raise UsageError(f"--out {out}: the file name must end in .safetensors")
     weights = consolidate(url, scratch)
-    objective = weights.manifest.get("objective", "classification")
+    objective = saved_objective(weights.manifest)
     if objective not in OBJECTIVES:
         raise UsageError(f"{weights.url}: objective {objective!r} cannot be exported (this vitforge exports "
                          f"{', '.join(OBJECTIVES)})")

@@ -21,7 +21,7 @@ from vitforge.pipeline import IMAGENET_MEAN, IMAGENET_STD, LoaderSpec, build_loa
 
 from .export import consolidate, trained_model
 from .figures import compute, write_figures
-from .objective import OBJECTIVES
+from .objective import get_objective, saved_objective
 
 
 def main(argv: list[str]) -> int:
@@ -38,7 +38,7 @@ def main(argv: list[str]) -> int:
         weights = consolidate(args.checkpoint, scratch)
     saved = weights.manifest.get("config", {}).get("model", {})
     # the figures are those of what an export holds: the ViT (a masked-patch model's encoder)
-    model = OBJECTIVES[weights.manifest.get("objective", "classification")].exported(trained_model(weights))
+    model = get_objective(saved_objective(weights.manifest)).exported(trained_model(weights))
 
     images = None
     if args.images:

@@ -12,6 +12,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
+from timm.models.vision_transformer import VisionTransformer
+
+from .config import ConfigError
 
 UNTOUCHED, MASKED, SWAPPED, KEPT = 0, 1, 2, 3  # what happened to a patch's embedding
 COLOURS = 512  # 8 levels per channel
@@ -41,3 +44,28 @@ def colour_targets(pixels: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
     means = F.adaptive_avg_pool2d(pixels.float(), grid)  # equal patches: the image is a whole number of them
     levels = (means * 8).floor().clamp(0, 7).long()
     return (levels[:, 0] * 64 + levels[:, 1] * 8 + levels[:, 2]).flatten(1)
+
+
+class MaskedPatchModel(torch.nn.Module):
+    """A ViT for masked patch prediction: the patch embeddings are corrupted as `action` says (a
+    learnable [mask] embedding, or the embedding of patch `source`), and a linear head predicts
+    each patch's colour class from its output token. Fine-tuning keeps `vit` and drops the rest."""
+
+    def __init__(self, vit: VisionTransformer):
+        super().__init__()
+        if vit.reg_token is not None or vit.no_embed_class or vit.cls_token is None:
+            raise ConfigError("masked patch prediction needs a ViT with a class token and no register tokens")
+        self.vit = vit
+        self.mask_token = torch.nn.Parameter(torch.zeros(1, 1, vit.embed_dim))
+        torch.nn.init.trunc_normal_(self.mask_token, std=0.02)
+        self.head = torch.nn.Linear(vit.embed_dim, COLOURS)
+
+    def forward(self, images: torch.Tensor, action: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        vit = self.vit
+        x = vit.patch_embed(images)
+        swapped = torch.gather(x, 1, source[..., None].expand_as(x))
+        x = torch.where((action == MASKED)[..., None], self.mask_token.to(x.dtype), x)
+        x = torch.where((action == SWAPPED)[..., None], swapped, x)
+        x = torch.cat([vit.cls_token.expand(len(x), -1, -1).to(x.dtype), x], dim=1) + vit.pos_embed
+        x = vit.norm(vit.blocks(vit.norm_pre(vit.pos_drop(x))))
+        return self.head(x[:, vit.num_prefix_tokens:])

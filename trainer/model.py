@@ -17,7 +17,7 @@ from timm.models.vision_transformer import VisionTransformer
 from torch.utils.flop_counter import FlopCounterMode
 
 from .config import ConfigError
-from .masked_patches import COLOURS, MASKED, SWAPPED
+from .objective import DEFAULT_OBJECTIVE, get_objective
 
 # Tiny configurations for CPU tests and demos, built like the real ones.
 TINY_MODELS = {
@@ -46,57 +46,14 @@ def check_model_name(name: str) -> None:
                           f"{'; timm has e.g. ' + ', '.join(close) if close else ''})")
 
 
-class PreLogitsHead(torch.nn.Module):
-    """The paper's pre-training head (section 3.1, appendix B.1.1): an MLP with one hidden tanh
-    layer, the "representation" (pre-logits) layer, then the classifier."""
-
-    def __init__(self, dim: int, num_classes: int):
-        super().__init__()
-        self.pre_logits = torch.nn.Linear(dim, dim)
-        self.fc = torch.nn.Linear(dim, num_classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(torch.tanh(self.pre_logits(x)))
-
-
-class MaskedPatchModel(torch.nn.Module):
-    """A ViT for masked patch prediction: the patch embeddings are corrupted as `action` says (a
-    learnable [mask] embedding, or the embedding of patch `source`), and a linear head predicts
-    each patch's colour class from its output token. Fine-tuning keeps `vit` and drops the rest."""
-
-    def __init__(self, vit: VisionTransformer):
-        super().__init__()
-        if vit.reg_token is not None or vit.no_embed_class or vit.cls_token is None:
-            raise ConfigError("masked patch prediction needs a ViT with a class token and no register tokens")
-        self.vit = vit
-        self.mask_token = torch.nn.Parameter(torch.zeros(1, 1, vit.embed_dim))
-        torch.nn.init.trunc_normal_(self.mask_token, std=0.02)
-        self.head = torch.nn.Linear(vit.embed_dim, COLOURS)
-
-    def forward(self, images: torch.Tensor, action: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
-        vit = self.vit
-        x = vit.patch_embed(images)
-        swapped = torch.gather(x, 1, source[..., None].expand_as(x))
-        x = torch.where((action == MASKED)[..., None], self.mask_token.to(x.dtype), x)
-        x = torch.where((action == SWAPPED)[..., None], swapped, x)
-        x = torch.cat([vit.cls_token.expand(len(x), -1, -1).to(x.dtype), x], dim=1) + vit.pos_embed
-        x = vit.norm(vit.blocks(vit.norm_pre(vit.pos_drop(x))))
-        return self.head(x[:, vit.num_prefix_tokens:])
-
-
 def build_model(name: str, num_classes: int, image_size: int, drop_path: float = 0.0, dropout: float = 0.0,
-                pre_logits: bool = False, objective: str = "classification") -> torch.nn.Module:
-    """`pre_logits`: the paper's pre-training head instead of a single linear classifier;
-    `objective="masked_patch_prediction"`: the encoder in a MaskedPatchModel (no class head)."""
-    if objective == "masked_patch_prediction":
-        return MaskedPatchModel(_build(name, 0, image_size, drop_path, dropout))
-    model = _build(name, num_classes, image_size, drop_path, dropout)
-    if pre_logits:
-        model.head = PreLogitsHead(model.embed_dim, num_classes)
-    return model
+                pre_logits: bool = False, objective: str = DEFAULT_OBJECTIVE) -> torch.nn.Module:
+    """The model `objective` trains, around the ViT `name` (its head: objective.Objective.build)."""
+    return get_objective(objective).build(partial(_build, name, image_size=image_size, drop_path=drop_path,
+                                                  dropout=dropout), num_classes, pre_logits)
 
 
-def _build(name: str, num_classes: int, image_size: int, drop_path: float, dropout: float) -> VisionTransformer:
+def _build(name: str, num_classes: int, *, image_size: int, drop_path: float, dropout: float) -> VisionTransformer:
     # The paper's dropout: after the position embeddings and every dense layer except qkv (timm's
     # proj_drop covers the attention output and MLP layers, drop_rate the input of the head).
     regularisation = dict(drop_path_rate=drop_path, pos_drop_rate=dropout, proj_drop_rate=dropout, drop_rate=dropout)
@@ -121,16 +78,13 @@ def parameter_count(name: str, num_classes: int = 1000, image_size: int = 224) -
     return sum(p.numel() for p in model.parameters())
 
 
-def forward_flops(name: str, image_size: int, num_classes: int = 1000, objective: str = "classification") -> float:
+def forward_flops(name: str, image_size: int, num_classes: int = 1000, objective: str = DEFAULT_OBJECTIVE) -> float:
     """Forward FLOPs per image (2 x multiply-adds) of every matmul and convolution, a hybrid's ResNet
     stem included, counted by torch's FLOP counter on the meta device (nothing is allocated, so
     ViT-H/14 counts on a laptop). ViT-H/14 at 224 px: 167.3 GMACs."""
     with torch.device("meta"):
         model = build_model(name, num_classes, image_size, objective=objective)
-        inputs = [torch.empty(1, 3, image_size, image_size)]
-        if objective == "masked_patch_prediction":
-            patches = math.prod(model.vit.patch_embed.grid_size)
-            inputs += [torch.zeros(1, patches, dtype=torch.long), torch.zeros(1, patches, dtype=torch.long)]
+        inputs = get_objective(objective).example_inputs(model, image_size)
     with FlopCounterMode(display=False) as counter:
         model(*inputs)
     return float(counter.get_total_flops())

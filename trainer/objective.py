@@ -1,12 +1,15 @@
-"""What the model is trained to do, behind a name: the loss, and the metrics evaluation reports.
+"""What the model is trained to do, behind a name: its head, loss, metrics, export and checks.
 
 Image classification, and masked patch prediction (self-supervised: the targets come from the
-pixels). Each is an entry in OBJECTIVES: its model inputs and targets from a batch, its loss, what
-evaluation counts and reports, and which part of its model `vitforge ckpt export` gives to timm.
+pixels). Each is registered once in OBJECTIVES (`register_objective`): the model it builds around a
+ViT, its model inputs and targets from a batch, its loss, what evaluation counts and reports, which
+part of its model `vitforge ckpt export` gives to timm, whether it needs class labels, and which
+config settings it refuses. No other module compares objective names.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -15,7 +18,11 @@ import torch.nn.functional as F
 
 from vitforge.pipeline import IGNORE_LABEL, IMAGENET_MEAN, IMAGENET_STD
 
-from .masked_patches import UNTOUCHED, colour_targets, corruption
+from .config import ConfigError
+from .masked_patches import UNTOUCHED, MaskedPatchModel, colour_targets, corruption
+
+# What a checkpoint saved before manifests named their objective was trained for.
+DEFAULT_OBJECTIVE = "classification"
 
 
 def masked_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -66,6 +73,55 @@ def masked_patch_inputs(batch: dict, module: torch.nn.Module, epoch: int, seed: 
     return (images, action, source), targets
 
 
+class PreLogitsHead(torch.nn.Module):
+    """The paper's pre-training head (section 3.1, appendix B.1.1): an MLP with one hidden tanh
+    layer, the "representation" (pre-logits) layer, then the classifier."""
+
+    def __init__(self, dim: int, num_classes: int):
+        super().__init__()
+        self.pre_logits = torch.nn.Linear(dim, dim)
+        self.fc = torch.nn.Linear(dim, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.tanh(self.pre_logits(x)))
+
+
+def classifier(make_vit: Callable[[int], torch.nn.Module], num_classes: int, pre_logits: bool) -> torch.nn.Module:
+    """`pre_logits`: the paper's pre-training head instead of a single linear classifier."""
+    model = make_vit(num_classes)
+    if pre_logits:
+        model.head = PreLogitsHead(model.embed_dim, num_classes)
+    return model
+
+
+def masked_patch_model(make_vit: Callable[[int], torch.nn.Module], num_classes: int,
+                       pre_logits: bool) -> torch.nn.Module:
+    """The encoder (no class head) in a MaskedPatchModel; the config refuses pre_logits."""
+    return MaskedPatchModel(make_vit(0))
+
+
+def image_only(model: torch.nn.Module, image_size: int) -> list[torch.Tensor]:
+    return [torch.empty(1, 3, image_size, image_size)]
+
+
+def image_and_plan(model: torch.nn.Module, image_size: int) -> list[torch.Tensor]:
+    patches = math.prod(model.vit.patch_embed.grid_size)
+    return [*image_only(model, image_size), torch.zeros(1, patches, dtype=torch.long),
+            torch.zeros(1, patches, dtype=torch.long)]
+
+
+def no_check(cfg) -> None:
+    return None
+
+
+def refuse_classification_settings(cfg) -> None:
+    mixing = [f"augment.{k}" for k in ("mixup", "cutmix", "label_smoothing") if getattr(cfg.augment, k)]
+    if mixing or cfg.model.pre_logits:
+        raise ValueError(f"train.objective {cfg.train.objective} predicts patch colours: "
+                         f"{', '.join(mixing + ['model.pre_logits'] * cfg.model.pre_logits)} "
+                         "only apply to classification")
+
+
 def whole_model(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
@@ -89,6 +145,10 @@ def masked_patch_metrics(totals: torch.Tensor) -> dict:
 @dataclass(frozen=True)
 class Objective:
     name: str
+    # (a ViT maker taking its class count, the data's class count, model.pre_logits) -> the model
+    build: Callable[[Callable[[int], torch.nn.Module], int, bool], torch.nn.Module]
+    # (the model, image size) -> inputs of one image, for counting FLOPs on the meta device
+    example_inputs: Callable[[torch.nn.Module, int], list[torch.Tensor]]
     # (batch, the model without its engine, epoch, seed) -> (the model's inputs, the loss's targets)
     inputs: Callable[[dict, torch.nn.Module, int, int], tuple[tuple, torch.Tensor]]
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -97,11 +157,40 @@ class Objective:
     # the model (not its engine) -> the timm VisionTransformer an export writes; the rest of the
     # model's parameters are the objective's own pre-training head
     exported: Callable[[torch.nn.Module], torch.nn.Module]
+    labelled: bool  # learns from class labels: refuses data sharded without them
+    # the whole Config -> None, or a ValueError naming the settings this objective cannot use
+    check_config: Callable[[object], None] = no_check
 
 
-OBJECTIVES = {
-    "classification": Objective("classification", classification_inputs, masked_loss, classification_counts,
-                                classification_metrics, whole_model),
-    "masked_patch_prediction": Objective("masked_patch_prediction", masked_patch_inputs, per_patch(masked_loss),
-                                         per_patch(classification_counts), masked_patch_metrics, encoder),
-}
+OBJECTIVES: dict[str, Objective] = {}
+
+
+def register_objective(objective: Objective) -> Objective:
+    """Make an objective known by its name (train.objective, a checkpoint manifest's objective)."""
+    if objective.name in OBJECTIVES:
+        raise ValueError(f"objective {objective.name!r} is registered already")
+    OBJECTIVES[objective.name] = objective
+    return objective
+
+
+def get_objective(name: str) -> Objective:
+    if name not in OBJECTIVES:
+        raise ConfigError(f"train.objective: unknown objective {name!r} (known: {', '.join(OBJECTIVES)})")
+    return OBJECTIVES[name]
+
+
+def saved_objective(manifest: dict) -> str:
+    """The objective a checkpoint was trained for, by its manifest."""
+    return manifest.get("objective", DEFAULT_OBJECTIVE)
+
+
+def check_config(cfg) -> None:
+    """Config validation: a known objective, and settings it can use (ValueError, for pydantic)."""
+    get_objective(cfg.train.objective).check_config(cfg)
+
+
+register_objective(Objective("classification", classifier, image_only, classification_inputs, masked_loss,
+                             classification_counts, classification_metrics, whole_model, labelled=True))
+register_objective(Objective("masked_patch_prediction", masked_patch_model, image_and_plan, masked_patch_inputs,
+                             per_patch(masked_loss), per_patch(classification_counts), masked_patch_metrics,
+                             encoder, labelled=False, check_config=refuse_classification_settings))

@@ -31,8 +31,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, TypeVar
 
-from vitforge.core import (CheckpointError, PreconditionFailed, StorageError, UsageError, open_store,
-                           process_alive, sha256_file)
+from vitforge.core import (CheckpointError, PreconditionFailed, StorageError, open_store, process_alive,
+                           scheduler_env, sha256_file)
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -334,16 +334,12 @@ def _remove(path: str) -> None:
 
 
 def job_identity() -> dict:
-    """Who is training. A SLURM job keeps its id across requeues, so a requeued job owns its run;
-    its incarnation (SLURM_RESTART_COUNT) tells a requeued copy from a stale older one."""
-    job = os.environ.get("SLURM_JOB_ID")
-    if job and os.environ.get("SLURM_ARRAY_TASK_ID"):
-        job = f"{os.environ.get('SLURM_ARRAY_JOB_ID', job)}_{os.environ['SLURM_ARRAY_TASK_ID']}"
-    restarts = os.environ.get("SLURM_RESTART_COUNT", "0") or "0"
-    if not restarts.isdigit():
-        raise UsageError(f"SLURM_RESTART_COUNT={restarts!r} is not a whole number")
+    """Who is training. A scheduler's job keeps its id across requeues, so a requeued job owns its
+    run; its incarnation (the scheduler's restart count) tells a requeued copy from a stale older one.
+    Outside a scheduler's job, this process is the job."""
+    place = scheduler_env()
     host, pid = socket.gethostname(), os.getpid()
-    return {"job": f"slurm:{job}" if job else f"{host}:{pid}:{time.time_ns()}", "incarnation": int(restarts),
+    return {"job": place.job or f"{host}:{pid}:{time.time_ns()}", "incarnation": place.restart_count,
             "host": host, "pid": pid}
 
 

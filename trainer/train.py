@@ -3,21 +3,19 @@
 Step-based: one step is one optimizer update (micro-batch x accumulation x world size images);
 epochs come from the loader, whose position is checkpointed with the model, so a resumed run
 continues the same sample stream. The components (engine, loaders, objective, checkpointer,
-metrics, EMA) are built by small functions and handed to the Trainer; each stateful part has
-`state_dict`/`load_state_dict`.
+metrics, EMA) are built by small functions and handed to the Trainer; the stateful parts (loader
+position, RNG, EMA: state.StateParts) are handed to the checkpointer, which saves and restores them.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import random
 import re
 import tempfile
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -33,9 +31,10 @@ from .export import check_fits, consolidate, consolidate_on_rank0, load_broadcas
 from .metrics import MetricsLog
 from .model import PEAK_FLOPS, adapt_state_dict, build_model, check_model_name, forward_flops
 from .mixing import Mixing, mix_batch
-from .objective import OBJECTIVES, Objective
+from .objective import OBJECTIVES, Objective, get_objective, saved_objective
 from .preemption import StopRequest
 from .run_store import METRICS, tag_for
+from .state import RandomState, StateParts
 
 log = logging.getLogger("vitforge.train")
 
@@ -79,11 +78,22 @@ class Window:
 
 
 class EMA:
-    """Polyak averaging of the weights (ZeRO <= 2: the weights must be whole on every rank)."""
+    """Polyak averaging of the weights (ZeRO <= 2: the weights must be whole on every rank). A
+    shared state part: restored from a checkpoint, or started from the weights training starts from."""
 
-    def __init__(self, model: torch.nn.Module, decay: float, state: dict | None = None):
+    def __init__(self, decay: float):
         self.decay = decay
-        self.weights = state or {k: v.detach().float().clone() for k, v in model.named_parameters()}
+        self.weights: dict | None = None
+
+    def start(self, model: torch.nn.Module) -> None:
+        if self.weights is None:
+            self.weights = {k: v.detach().float().clone() for k, v in model.named_parameters()}
+
+    def state_dict(self) -> dict:
+        return self.weights
+
+    def load_state_dict(self, state: dict) -> None:
+        self.weights = state
 
     @torch.no_grad()
     def update(self, model: torch.nn.Module) -> None:
@@ -91,23 +101,14 @@ class EMA:
             self.weights[name].mul_(self.decay).add_(param.detach().float(), alpha=1 - self.decay)
 
 
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
 def build_data_loader(cfg: Config, source: str, train: bool, env, device):
     aug = cfg.augment
     crops = ({"scale": aug.crop_scale, "ratio": aug.crop_ratio, "flip": aug.flip, "randaugment": aug.randaugment}
              if train else {})
-    spec = LoaderSpec(source, batch_size=cfg.train.micro_batch, image_size=cfg.model.image_size, train=train,
-                      backend="synthetic" if source == "synthetic" else cfg.data.backend, seed=cfg.data.seed,
-                      workers=cfg.data.workers, prefetch=cfg.data.prefetch, subset=cfg.data.subset if train else None,
-                      overlap={"auto": None, "on": True, "off": False}[cfg.data.overlap],
-                      dtype="bfloat16" if cfg.train.precision == "bf16" else "float32",
-                      partitions=cfg.data.partitions, cache_dir=cfg.data.cache_dir, cache_gb=cfg.data.cache_gb,
-                      read_block_mb=cfg.data.read_block_mb, shards_ahead=cfg.data.shards_ahead, **crops)
+    spec = LoaderSpec.of(cfg.data, source, batch_size=cfg.train.micro_batch, image_size=cfg.model.image_size,
+                         train=train, backend="synthetic" if source == "synthetic" else cfg.data.backend,
+                         subset=cfg.data.subset if train else None,
+                         dtype="bfloat16" if cfg.train.precision == "bf16" else "float32", **crops)
     return build_loader(spec, env.rank, env.world_size, device, synthetic_classes=cfg.model.num_classes or 1000,
                         accumulation=cfg.accumulation(env.world_size) if train else 1,
                         ranks_per_node=env.local_world_size)
@@ -162,18 +163,6 @@ class Trainer:
         self.flags = torch.zeros(3, device=device)  # what ranks agree on after each step
         self.last: dict = {}
         self.run_start = (time.perf_counter(), 0)
-
-    # -- state -------------------------------------------------------------------------------
-    def state_dict(self) -> tuple[dict, dict]:
-        """(this rank's state, state kept once by rank 0)."""
-        mine = {"loader": self.train_loader.state_dict()}
-        return mine, ({"ema": self.ema.weights} if self.ema is not None else {})
-
-    def load_state_dict(self, step: int, mine: dict, shared: dict) -> None:
-        self.state.step = step
-        self.train_loader.load_state_dict(mine["loader"])
-        if self.ema is not None and shared.get("ema"):
-            self.ema.weights = shared["ema"]
 
     # -- the loop ----------------------------------------------------------------------------
     def train(self) -> dict:
@@ -273,8 +262,7 @@ class Trainer:
         if self.state.nonfinite_streak:
             log.warning("step %d: not saving a checkpoint of a model with non-finite values", self.state.step)
             return
-        mine, shared = self.state_dict()
-        self.checkpointer.save(self.engine, self.state.step, mine, shared,
+        self.checkpointer.save(self.engine, self.state.step,
                                {**self.manifest_extra, "zero_stage": self.engine.zero_optimization_stage()})
         self.state.last_checkpoint = time.monotonic()
         stall = self.checkpointer.last_stall
@@ -390,18 +378,25 @@ def _requeue_if_signalled(stop: StopRequest, error: Exception) -> None:
 
 
 def _build(cfg: Config, env, device, stop: StopRequest) -> tuple[Trainer, Checkpointer]:
-    _seed_everything(cfg.train.seed)
+    RandomState().restart(cfg.train.seed)
     train_loader = build_data_loader(cfg, cfg.data.train, True, env, device)
     index = train_loader.index
     val_loader = build_data_loader(cfg, cfg.data.val, False, env, device) if cfg.data.val else None
     num_classes = cfg.model.num_classes or (index.num_classes if index else None)
-    _check_labelled(cfg.train.objective, train_loader, val_loader)
-    if cfg.train.objective == "classification" and not num_classes:
+    objective = get_objective(cfg.train.objective)
+    _check_labelled(objective, train_loader, val_loader)
+    if objective.labelled and not num_classes:
         raise ConfigError("model.num_classes is not set and the training data has no dataset.json to read it from")
+    if cfg.train.ema_decay is not None and cfg.train.zero_stage == 3:
+        raise ConfigError("train.ema_decay needs train.zero_stage <= 2 (ZeRO-3 partitions the weights)")
+    ema = EMA(cfg.train.ema_decay) if cfg.train.ema_decay is not None else None
     metrics = MetricsLog(metrics_folder(cfg), enabled=env.rank == 0)
+    # What a checkpoint holds beside DeepSpeed's files: one entry per part.
+    parts = StateParts(per_rank={"loader": train_loader, "rng": RandomState()},
+                       shared={"ema": ema} if ema is not None else {})
     checkpointer = Checkpointer(cfg.checkpoint.run_url, cfg.checkpoint.staging, cfg.checkpoint.keep_last,
                                 cfg.checkpoint.keep_every, cfg.checkpoint.lease_minutes,
-                                cfg.checkpoint.upload_timeout_minutes, metrics.path if env.rank == 0 else None)
+                                cfg.checkpoint.upload_timeout_minutes, metrics.path if env.rank == 0 else None, parts)
     if cfg.checkpoint.save:
         checkpointer.claim()
 
@@ -416,22 +411,20 @@ def _build(cfg: Config, env, device, stop: StopRequest) -> tuple[Trainer, Checkp
                 **cfg.deepspeed.get("checkpoint", {}), "load_universal": True}}})
         return build_engine(config, make_model, env.world_size, device)
 
-    if cfg.train.ema_decay is not None and cfg.train.zero_stage == 3:
-        raise ConfigError("train.ema_decay needs train.zero_stage <= 2 (ZeRO-3 partitions the weights)")
     engine, restored = checkpointer.restore(engine_for, cfg.checkpoint.resume)
     if restored is None and cfg.checkpoint.init_from:
         changes = _init_from(engine, cfg.checkpoint.init_from, device, make_model)
         log.info("initialised from %s (%s)", cfg.checkpoint.init_from, "; ".join(changes) or "as is")
-    # The EMA starts from the weights training starts from (restored, fine-tuned from, or fresh).
-    ema = EMA(engine.module, cfg.train.ema_decay) if cfg.train.ema_decay is not None else None
-    trainer = Trainer(cfg, env, device, engine, train_loader, val_loader, OBJECTIVES[cfg.train.objective],
+    if ema is not None:  # unless restored: from the weights training starts from (restored, fine-tuned from, fresh)
+        ema.start(engine.module)
+    trainer = Trainer(cfg, env, device, engine, train_loader, val_loader, objective,
                       checkpointer, metrics, ema, {"config": cfg.model_dump(mode="json"), "num_classes": num_classes,
                                                    "train_samples": train_loader.num_samples,
                                                    "classes": getattr(index, "classes", None),
                                                    "objective": cfg.train.objective}, stop)
     metrics.open()
     if restored is not None:
-        trainer.load_state_dict(restored.step, restored.mine, restored.shared)
+        trainer.state.step = restored.step
         metrics.resume_at(restored.step, _saved_metrics(checkpointer) if env.rank == 0 else None)
         log.info("resumed %s at step %d", checkpointer.run.object_url(restored.tag), restored.step)
     else:
@@ -442,14 +435,15 @@ def _build(cfg: Config, env, device, stop: StopRequest) -> tuple[Trainer, Checkp
     return trainer, checkpointer
 
 
-def _check_labelled(objective: str, *loaders) -> None:
-    """Classification needs class labels; masked patch prediction takes its targets from pixels."""
-    if objective != "classification":
+def _check_labelled(objective: Objective, *loaders) -> None:
+    """An objective that learns from class labels refuses data sharded without them."""
+    if not objective.labelled:
         return
+    unlabelled = " or ".join(o.name for o in OBJECTIVES.values() if not o.labelled)
     for loader in loaders:
         if loader is not None and loader.index is not None and not loader.index.labelled:
-            raise ConfigError(f"{loader.spec.dataset} has no class labels (sharded with --no-labels): classification "
-                              "needs them; pre-train on it with --set train.objective=masked_patch_prediction")
+            raise ConfigError(f"{loader.spec.dataset} has no class labels (sharded with --no-labels): {objective.name} "
+                              f"needs them; pre-train on it with --set train.objective={unlabelled}")
 
 
 def _saved_metrics(checkpointer: Checkpointer) -> bytes | None:
@@ -554,14 +548,14 @@ def run_eval(cfg: Config, checkpoint_url: str, model_overrides: set[str]) -> dic
             val_loader = build_data_loader(eval_cfg, cfg.data.val, False, env, device)
             all_ok(val_loader.prepare)
             _check_classes(weights.manifest.get("classes"), getattr(val_loader.index, "classes", None))
-            objective = weights.manifest.get("objective", "classification")
+            objective = get_objective(saved_objective(weights.manifest))
             _check_labelled(objective, val_loader)
             model = build_model(model_cfg.name, num_classes, model_cfg.image_size, pre_logits=model_cfg.pre_logits,
-                                objective=objective).to(device)
+                                objective=objective.name).to(device)
             load_broadcast(model, state, weights.url, device)
             del state
             result = {"checkpoint": weights.url, "weights": weights.weights,
-                      **evaluate(model, val_loader, OBJECTIVES[objective], device, seed=cfg.data.seed)}
+                      **evaluate(model, val_loader, objective, device, seed=cfg.data.seed)}
         ok = True
         return result
     finally:

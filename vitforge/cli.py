@@ -115,7 +115,7 @@ def _main(argv: list[str]) -> int:
         return errors.STORAGE
     except KeyboardInterrupt:
         _say("vitforge: interrupted")
-        return 130
+        return errors.INTERRUPTED
     except Exception:
         traceback.print_exc()
         return errors.INTERNAL

@@ -14,8 +14,9 @@ from pydantic_core import PydanticUndefined
 
 HEADER = """# Configuration reference
 
-Generated from the schemas (`trainer/config.py`, `cluster/spec.py`) by
-`python -m vitforge.config_reference docs/CONFIG.md`; a test fails when this file is stale.
+Generated from the schemas (`trainer/config.py`, whose `data` settings `pipeline/spec.py` declares,
+and `cluster/spec.py`) by `python -m vitforge.config_reference docs/CONFIG.md`; a test fails when
+this file is stale.
 Set any key in a YAML file or with `--set section.key=value` (values are typed as YAML: `--set
 augment.randaugment=[2,9]`, `--set data.val=null`). A key without a default must be given.
 """

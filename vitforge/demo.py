@@ -30,12 +30,11 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from vitforge.cluster import cancel, job_info, local_slurm_missing, start_local_slurm, stop_local_slurm
-from vitforge.core import free_port, open_store
+from vitforge.cluster import cancel, job_info
+from vitforge.core import errors, free_port, open_store
 from vitforge.core.cli_args import bounded, positive_int
 
 from .demo_report import write_report
-from .local_s3 import start_local_s3
 from .synthetic import write_broken_files, write_class_folders
 
 BUCKET = "vitforge-demo"
@@ -138,6 +137,9 @@ def _corpus(demo: Demo) -> None:
 
 def _store(demo: Demo):
     """The datasets' and checkpoints' home: s3://vitforge-demo on a private server, or a folder."""
+    # The stand-ins are imported where used: only `vitforge demo` needs them, not the rest of the CLI.
+    from vitforge.testing import start_local_s3
+
     demo.say("start an object store on 127.0.0.1")
     if demo.store == "auto":
         try:
@@ -195,6 +197,8 @@ def _training_overrides(demo: Demo) -> list[str]:
 
 
 def _train(demo: Demo):
+    from vitforge.testing import local_slurm_missing
+
     slurm_why = None
     if demo.launcher != "direct":
         slurm_why = local_slurm_missing()
@@ -285,7 +289,7 @@ def _train_direct(demo: Demo) -> None:
             progress.step()
             time.sleep(0.5)
         codes = [r.returncode for r in ranks]
-        wanted = 75 if attempt == 1 else 0
+        wanted = errors.REQUEUE if attempt == 1 else errors.OK
         if codes != [wanted, wanted]:
             raise DemoError(f"attempt {attempt}: the ranks exited {codes}, expected {wanted}; logs: {', '.join(logs)}")
         if attempt == 1:
@@ -296,6 +300,8 @@ def _train_direct(demo: Demo) -> None:
 
 
 def _train_slurm(demo: Demo):
+    from vitforge.testing import start_local_slurm, stop_local_slurm
+
     slurm_env = start_local_slurm(demo.path("slurm"))
     os.environ.update(slurm_env)
     print(f"slurmctld and slurmd up on localhost (SLURM_CONF={slurm_env['SLURM_CONF']})")
