@@ -66,6 +66,7 @@ def run(args, work: str, server) -> int:
     from vitforge.trainer.engine import build_engine
     from vitforge.trainer.model import build_model
     from vitforge.trainer.run_store import RunStore, tag_for
+    from vitforge.trainer.state import RandomState, StateParts
 
     device = init_distributed(detect_env())
     cfg = load_config("tiny_cpu", [f"model.name={args.model}", f"model.image_size={args.image_size}",
@@ -89,7 +90,8 @@ def run(args, work: str, server) -> int:
                "sync_write": []}
     checkpointers = {mode: Checkpointer(f"s3://bench/{mode}", os.path.join(work, f"staging-{mode}"), keep_last=2,
                                         keep_every=None, lease_minutes=10, upload_timeout_minutes=30,
-                                        metrics_path=None) for mode in ("async", "sync")}
+                                        metrics_path=None, parts=StateParts(per_rank={"rng": RandomState()}))
+                      for mode in ("async", "sync")}
     for checkpointer in checkpointers.values():
         checkpointer.claim()
     engine.save_checkpoint(os.path.join(work, "first"), tag="first", save_latest=False)  # one-time set-up cost
@@ -106,7 +108,7 @@ def run(args, work: str, server) -> int:
         for mode, checkpointer in checkpointers.items():
             os.sync()
             start = time.perf_counter()
-            checkpointer.save(engine, n * args.every, {"loader": {}}, {}, {"config": cfg.model_dump(mode="json")})
+            checkpointer.save(engine, n * args.every, {"config": cfg.model_dump(mode="json")})
             if mode == "sync":
                 checkpointer.wait()
             results[mode].append(time.perf_counter() - start)

@@ -3,8 +3,10 @@ own SDK doing the same transfer (same file, same emulator, same run), side by si
 
     .venv/bin/python -m benchmarks.store_bench [--mb 200] [--repeats 2] [--backends gcs]
 
-Each backend is one entry of BACKENDS: how to start its emulator (returning its client environment,
-a fresh bucket and a stop function) and the SDK's plain upload and download of a file. Best of
+The local backend compares a local folder store (temporary, fsync, rename) with a plain
+`shutil.copyfile`: the floor. Each backend is one entry of BACKENDS: how to start its emulator
+(returning its client environment, a fresh bucket and a stop function) and the SDK's plain upload
+and download of a file. Best of
 `repeats` for each figure: loopback on a shared machine is noisy, and the best is the least disturbed.
 """
 
@@ -14,6 +16,7 @@ import argparse
 import contextlib
 import hashlib
 import os
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -31,7 +34,7 @@ class Emulator:
 
 @dataclass(frozen=True)
 class Backend:
-    scheme: str  # the store's URL scheme: our side opens f"{scheme}://{bucket}/bench"
+    scheme: str  # the store's URL scheme: our side opens f"{scheme}://{bucket}/bench" (local: a folder)
     start: Callable[[str], Emulator]  # (scratch folder) -> a running emulator
     sdk_upload: Callable[[Emulator, str, str], None]  # (emulator, local file, object key)
     sdk_download: Callable[[Emulator, str, str], None]  # (emulator, object key, local file)
@@ -74,7 +77,36 @@ def _azure_download(emulator: Emulator, key: str, path: str) -> None:
         _azure_blob(emulator, key).download_blob(max_concurrency=8).readinto(f)
 
 
+def _start_s3(folder: str) -> Emulator:
+    from vitforge.testing import start_local_s3
+
+    server = start_local_s3(folder)
+    server.client().create_bucket(Bucket="store-bench")
+    return Emulator(server.env, "store-bench", server.stop)
+
+
+def _s3_client(emulator: Emulator):
+    import boto3
+
+    return boto3.client("s3")  # the AWS variables of emulator.env are set while the backend runs
+
+
+def _start_local(folder: str) -> Emulator:
+    os.makedirs(folder, exist_ok=True)
+    return Emulator({}, folder, lambda: None)
+
+
+def _copy(source: str, target: str) -> None:
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    shutil.copyfile(source, target)
+
+
 BACKENDS: dict[str, Backend] = {
+    "local": Backend("file", _start_local, lambda e, path, key: _copy(path, os.path.join(e.bucket, key)),
+                     lambda e, key, path: _copy(os.path.join(e.bucket, key), path)),
+    "s3": Backend("s3", _start_s3,
+                  lambda e, path, key: _s3_client(e).upload_file(path, e.bucket, key),
+                  lambda e, key, path: _s3_client(e).download_file(e.bucket, key, path)),
     "gcs": Backend("gs", _start_gcs,
                    lambda e, path, key: _gcs_bucket(e).blob(key).upload_from_filename(path),
                    lambda e, key, path: _gcs_bucket(e).blob(key).download_to_filename(path)),
@@ -112,7 +144,8 @@ def bench(name: str, backend: Backend, source: str, scratch: str, repeats: int) 
     best = {"ours_up": 0.0, "sdk_up": 0.0, "ours_down": 0.0, "sdk_down": 0.0}
     try:
         with _environment(emulator.env):
-            store = open_store(f"{backend.scheme}://{emulator.bucket}/bench")
+            root = f"{emulator.bucket}/bench" if backend.scheme == "file" else f"{backend.scheme}://{emulator.bucket}/bench"
+            store = open_store(root)
             for _ in range(repeats):
                 seconds = {
                     "ours_up": _timed(lambda: store.put_file(source, "ours.bin", keep=True)),

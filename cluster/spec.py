@@ -16,7 +16,7 @@ SPECS = Path(__file__).resolve().parent / "specs"
 # Names that carry credentials: never written into a script; jobs get them from the environment
 # they are submitted from (sbatch exports it) or from a credentials file the cluster has.
 SECRET_NAME = re.compile(r"SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL|ACCESS_KEY|ACCOUNT_KEY|STORAGE_KEY|CONNECTION_STRING"
-                         r"|SAS|PRIVATE|SESSION", re.IGNORECASE)
+                         r"|(^|_)SAS(_|$)|PRIVATE|SESSION", re.IGNORECASE)
 
 
 def _whole(pattern: str, expected: str):

@@ -40,6 +40,7 @@ from typing import Callable, Protocol, runtime_checkable
 
 from .errors import StorageError, UsageError
 from .files import PARTIAL_MARK
+from .retry import TransientError
 
 ENTRY_POINT_GROUP = "vitforge.stores"
 
@@ -254,6 +255,14 @@ def parallel_download(store: Store, name: str, local_path: str, part_bytes: int,
     return digest.hexdigest()
 
 
+def whole(body: bytes, expected: int, start: int = 0) -> bytes:
+    """`body` if it has every byte asked for; a body cut short is a TransientError, for `with_retries`
+    to fetch again (botocore and the cloud SDKs do not retry it: docs/ARCHITECTURE.md)."""
+    if len(body) != expected:
+        raise TransientError(f"short read: {len(body)} of {expected} bytes at {start}")
+    return body
+
+
 def local_copy_of(store: Store, name: str, folder: str) -> str:
     path = os.path.join(folder, os.path.basename(name))
     store.download(name, path)
@@ -287,6 +296,15 @@ class StagedStore:
 
     def list(self, prefix: str) -> list[str]:
         return sorted(f"{prefix.rstrip('/')}/{n}" if prefix else n for n in self.list_folder(prefix)[1])
+
+    def exists(self, name: str) -> bool:
+        """Through stat, whose errors are the store's: an SDK's own exists() says False for a
+        missing bucket too, which would hide it."""
+        try:
+            self.stat(name)
+            return True
+        except FileNotFoundError:
+            return False
 
     def download(self, name: str, local_path: str, part_bytes: int = 16 << 20, threads: int = 8,
                  length: int | None = None) -> str:

@@ -22,12 +22,13 @@ import contextlib
 import logging
 import os
 import re
+import threading
 import time
 from dataclasses import dataclass, field
 
 from .errors import PreconditionFailed, StorageError, UsageError
 from .retry import TransientError, current_operation, past_deadline, store_limits, with_retries
-from .store import ObjectInfo, StagedStore
+from .store import ObjectInfo, StagedStore, whole
 
 try:
     from azure.core import MatchConditions
@@ -185,7 +186,8 @@ def client_options() -> dict:
 
 
 def _first_line(e: AzureError) -> str:
-    return (str(e.message or e).strip().splitlines() or [""])[0]
+    """The error's first line, any URL query cut out: with SAS credentials it holds the signature."""
+    return re.sub(r"\?\S*", "", (str(e.message or e).strip().splitlines() or [""])[0])
 
 
 def _code(e: HttpResponseError) -> str:
@@ -249,11 +251,16 @@ class AzureStore(StagedStore):
     where: AzureLocation
     _container: object = field(default=None, repr=False)
 
+    _client_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
     @property
     def container(self):
-        if self._container is None:
-            client = service_client(self.where, **client_options(), raw_request_hook=self.count_request)
-            self._container = client.get_container_client(self.where.container)
+        """One client per store: a download's parallel parts would otherwise each build one (and
+        each ask DefaultAzureCredential for a token)."""
+        with self._client_lock:
+            if self._container is None:
+                client = service_client(self.where, **client_options(), raw_request_hook=self.count_request)
+                self._container = client.get_container_client(self.where.container)
         return self._container
 
     def blob(self, name: str):
@@ -319,20 +326,9 @@ class AzureStore(StagedStore):
             with _named(url):
                 stream = self.blob(name).download_blob(offset=offset, length=length, **pin)
                 body = stream.readall()
-            expected = stream.size if length is None else length
-            if len(body) != expected:
-                raise TransientError(f"short read: {len(body)} of {expected} bytes at {offset or 0}")
-            return body
+            return whole(body, stream.size if length is None else length, offset or 0)
 
         return with_retries(fetch, f"get {url}")
-
-    def exists(self, name: str) -> bool:
-        """A missing container is an error here too (the SDK's own exists() says False)."""
-        try:
-            self.stat(name)
-            return True
-        except FileNotFoundError:
-            return False
 
     def _base(self, prefix: str) -> str:
         return self.key(prefix).rstrip("/") + "/" if self.key(prefix) else ""

@@ -22,9 +22,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from .errors import PreconditionFailed, StorageError
+from .errors import PreconditionFailed, StorageError, UsageError
 from .retry import TransientError, current_operation, past_deadline, store_limits, with_retries
-from .store import ObjectInfo, StagedStore, bucket_and_prefix
+from .store import ObjectInfo, StagedStore, bucket_and_prefix, whole
 
 log = logging.getLogger("vitforge.store")
 LIST_PAGE_KEYS = 1000  # objects per listing page (GCS's most): what a listing holds at a time
@@ -33,6 +33,11 @@ POOL_CONNECTIONS = 32
 
 
 def open_gcs(url: str, work_dir: str) -> "GCSStore":
+    try:  # an optional dependency: say how to get it rather than print a traceback
+        import google.cloud.storage  # noqa: F401
+    except ImportError as e:
+        raise UsageError(f"gs:// stores need the Google Cloud Storage client ({e.name} is missing): "
+                         "pip install 'vitforge[gcs]'") from None
     return GCSStore(*bucket_and_prefix(url))
 
 
@@ -185,15 +190,9 @@ class GCSStore(StagedStore):
                     raise PreconditionFailed(f"{url}: changed by another writer (was generation {version})") \
                         from None
                 raise
-            if len(body) != end - start:
-                raise TransientError(f"short read: {len(body)} of {end - start} bytes at {start}")
-            return body
+            return whole(body, end - start, start)
 
         return with_retries(fetch, f"get {url}")
-
-    def exists(self, name: str) -> bool:
-        with self._named(self.url(name)):
-            return self._blob(name).exists(**self._call(self.url(name), "stat"))
 
     def list_folder(self, prefix: str) -> tuple[list[str], dict[str, int]]:
         """One "/"-delimited level, 1000 objects a page."""

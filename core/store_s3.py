@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from .errors import PreconditionFailed, StorageError
 from .retry import StoreLimits, TransientError, current_operation, past_deadline, store_limits, with_retries
-from .store import ObjectInfo, StagedStore, bucket_and_prefix
+from .store import ObjectInfo, StagedStore, bucket_and_prefix, whole
 
 log = logging.getLogger("vitforge.store")
 LIST_PAGE_KEYS = 1000  # keys per listing page (S3's most): what a listing holds at a time
@@ -166,10 +166,7 @@ class S3Store(StagedStore):
             with _named(self.url(name)):
                 response = self.client.get_object(Bucket=self.bucket, Key=self.key(name))
                 body = response["Body"].read()
-            if len(body) != response["ContentLength"]:
-                # botocore does not retry a body cut short (docs/ARCHITECTURE.md, measured facts).
-                raise TransientError(f"short read: {len(body)} of {response['ContentLength']} bytes")
-            return body
+            return whole(body, response["ContentLength"])
 
         return with_retries(fetch, f"get {self.url(name)}")
 
@@ -197,6 +194,8 @@ class S3Store(StagedStore):
 
     def get_range(self, name: str, start: int, end: int, version: str | None = None) -> bytes:
         """Bytes [start, end) of the object in one ranged GET; a body cut short is fetched again."""
+        if end <= start:
+            return b""  # "bytes=s-(s-1)" is no range: S3 would answer with the whole object
         url = self.url(name)
         pin = {"IfMatch": version} if version else {}
 
@@ -205,19 +204,9 @@ class S3Store(StagedStore):
                 response = self.client.get_object(Bucket=self.bucket, Key=self.key(name),
                                                   Range=f"bytes={start}-{end - 1}", **pin)
                 body = response["Body"].read()
-            if len(body) != end - start:
-                raise TransientError(f"short read: {len(body)} of {end - start} bytes at {start}")
-            return body
+            return whole(body, end - start, start)
 
         return with_retries(fetch, f"get {url}")
-
-    def exists(self, name: str) -> bool:
-        try:
-            with _named(self.url(name)):
-                self.client.head_object(Bucket=self.bucket, Key=self.key(name))
-            return True
-        except FileNotFoundError:
-            return False
 
     def list_folder(self, prefix: str) -> tuple[list[str], dict[str, int]]:
         """One "/"-delimited level, page by page (S3-compatible stores do not all list in key order:

@@ -144,6 +144,10 @@ def _store_folder(store: Store, folder: str, top_by_class: bool = False) -> list
     (as `_folder_entries`). `top_by_class`: only its subfolders, in name order."""
     subfolders, objects = store.list_folder(folder)
     base = f"{folder}/" if folder else ""
+    if "" in subfolders:  # keys with "//": store names cannot address them, and listing "" again never ends
+        log.warning("%s: objects under an empty path segment (a key with '//') are left out",
+                    display_path(store.url(base + "/")))
+        subfolders = [sub for sub in subfolders if sub]
     keyed = [(sub if top_by_class else sub + "/", (base + sub, 0, None, True)) for sub in subfolders]
     if not top_by_class:
         keyed += [(name, (base + name, size, None, False)) for name, size in objects.items()]

@@ -12,6 +12,7 @@ import hashlib
 import os
 import signal
 import time
+import uuid
 
 import pytest
 import torch
@@ -83,6 +84,18 @@ def test_wrong_key_and_missing_container_fail_in_one_line_without_the_key(azure_
     for call in (lambda s: s.get_bytes("latest"), lambda s: s.exists("latest"), lambda s: s.put_bytes("a", b"1")):
         with pytest.raises(StorageError, match=r"^az://no-such-container/runs/\w+: the container does not exist$"):
             call(open_store("az://no-such-container/runs"))
+
+
+def test_an_unreachable_endpoint_with_a_sas_token_fails_without_the_signature(azure_env, monkeypatch):
+    """The SDK's connection errors quote the request URL, whose query holds a SAS signature."""
+    signature = "sig=" + uuid.uuid4().hex
+    azure_env.setenv("AZURE_STORAGE_CONNECTION_STRING", "BlobEndpoint=http://127.0.0.1:9/devstoreaccount1;"
+                     f"SharedAccessSignature=sv=2024-08-04&ss=b&srt=sco&sp=rwdl&{signature}")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    for call in (lambda s: s.get_bytes("a.bin"), lambda s: s.put_bytes("a.bin", b"1")):
+        with pytest.raises(StorageError) as failed:
+            call(open_store("az://ctr/x"))
+        assert str(failed.value).startswith("az://ctr/x/a.bin: ") and signature not in str(failed.value)
 
 
 def test_a_transfer_through_resets_503s_and_cut_bodies_completes_and_is_one_version(azure_server, azure_env,

@@ -19,6 +19,7 @@ import time
 from conftest import STRAIGHT, assert_same_weights, losses, start_ranks, train, vitforge, weights
 from faulty_proxy import FaultSchedule, start_proxy
 from vitforge.core import errors, open_store
+from vitforge.shards.sources import list_corpus
 
 
 def test_throttling_and_cut_downloads_are_retried_and_every_request_counted(gcs_server, monkeypatch, tmp_path):
@@ -49,6 +50,21 @@ def test_throttling_and_cut_downloads_are_retried_and_every_request_counted(gcs_
 
 
 # --- end to end ---------------------------------------------------------------------------------
+
+def test_a_key_with_an_empty_path_segment_is_left_out_of_a_listing(gcs_server, monkeypatch):
+    """"raw//stray/1.jpg" (buggy uploaders make such keys; SeaweedFS folds them, GCS keeps them):
+    its folder's name is empty, so listing it would list its parent again, for ever."""
+    for key, value in gcs_server["env"].items():
+        monkeypatch.setenv(key, value)
+    bucket = gcs_server["make_bucket"]()
+    from google.cloud import storage
+
+    client = storage.Client(project=gcs_server["env"]["GOOGLE_CLOUD_PROJECT"])
+    for key in ("raw/cat/1.jpg", "raw/dog/2.jpg", "raw//stray/3.jpg"):
+        client.bucket(bucket).blob(key).upload_from_string(b"x")
+    for labelled, want in ((True, ["cat/1.jpg", "dog/2.jpg"]), (False, ["cat/1.jpg", "dog/2.jpg"])):
+        assert [r.name for r in list_corpus(f"gs://{bucket}/raw", labelled=labelled).records] == want
+
 
 def test_shard_train_signal_resume_and_export_on_gcs_equal_the_local_run(data, straight, gcs_server, tmp_path,
                                                                           monkeypatch):
