@@ -22,12 +22,11 @@ from vitforge.core import errors
 from .spec import LaunchSpec
 
 REQUEUE_EXIT = errors.REQUEUE
-# Every store's credentials travel by inheritance, whatever the site's SBATCH_EXPORT default: sbatch
-# passes the submitting environment to the batch step, srun to every rank (and into a container).
+# Every store's credentials travel by inheritance: sbatch passes the submitting environment to the
+# batch step (its default, --export=ALL), srun to every rank (and into a container).
 CREDENTIALS_NOTE = (
     "# Credentials are not in this file: the job inherits the submitting environment (AWS_*,",
     "# GOOGLE_APPLICATION_CREDENTIALS, AZURE_STORAGE_*: each cloud's standard chain), and srun passes it on.",
-    "#SBATCH --export=ALL",
 )
 
 # NCCL settings per fabric; users add or override any in `env`.
