@@ -263,12 +263,6 @@ def whole(body: bytes, expected: int, start: int = 0) -> bytes:
     return body
 
 
-def local_copy_of(store: Store, name: str, folder: str) -> str:
-    path = os.path.join(folder, os.path.basename(name))
-    store.download(name, path)
-    return path
-
-
 @dataclass(kw_only=True)
 class StagedStore:
     """What the object stores share, for an implementation to inherit: files are staged on local
@@ -288,6 +282,14 @@ class StagedStore:
 
     def staging_key(self, name: str) -> str:
         raise NotImplementedError
+
+    def key(self, name: str) -> str:
+        raise NotImplementedError
+
+    def folder_key(self, prefix: str) -> str:
+        """The key prefix that lists the folder `prefix`: "" for the store's root, else ending in "/"."""
+        key = self.key(prefix).rstrip("/")
+        return f"{key}/" if key else ""
 
     def temp_path(self, name: str) -> str:
         folder = staging_dir()
@@ -311,7 +313,9 @@ class StagedStore:
         return parallel_download(self, name, local_path, part_bytes, threads, length)
 
     def local_copy(self, name: str, folder: str) -> str:
-        return local_copy_of(self, name, folder)
+        path = os.path.join(folder, os.path.basename(name))
+        self.download(name, path)
+        return path
 
     def local_path(self, name: str) -> str | None:
         return None

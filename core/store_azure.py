@@ -330,12 +330,9 @@ class AzureStore(StagedStore):
 
         return with_retries(fetch, f"get {url}")
 
-    def _base(self, prefix: str) -> str:
-        return self.key(prefix).rstrip("/") + "/" if self.key(prefix) else ""
-
     def list_folder(self, prefix: str) -> tuple[list[str], dict[str, int]]:
         """One "/"-delimited level, page by page."""
-        base = self._base(prefix)
+        base = self.folder_key(prefix)
         folders, files = [], {}
         with _named(self.url(prefix)):
             for item in self.container.walk_blobs(name_starts_with=base or None, delimiter="/",
@@ -347,7 +344,7 @@ class AzureStore(StagedStore):
         return folders, files
 
     def walk(self, prefix: str = "") -> dict[str, int]:
-        base, outer = self._base(prefix), f"{prefix.rstrip('/')}/" if prefix else ""
+        base, outer = self.folder_key(prefix), f"{prefix.rstrip('/')}/" if prefix else ""
         with _named(self.url(prefix)):
             return {outer + b.name[len(base):]: b.size for b in
                     self.container.list_blobs(name_starts_with=base or None, results_per_page=LIST_PAGE)}

@@ -196,7 +196,7 @@ class GCSStore(StagedStore):
 
     def list_folder(self, prefix: str) -> tuple[list[str], dict[str, int]]:
         """One "/"-delimited level, 1000 objects a page."""
-        base = self.key(prefix).rstrip("/") + "/" if self.key(prefix) else ""
+        base = self.folder_key(prefix)
         files = {}
         with self._named(self.url(prefix)):
             pages = self.client.list_blobs(self.bucket, prefix=base, delimiter="/", page_size=LIST_PAGE_KEYS,
@@ -208,7 +208,7 @@ class GCSStore(StagedStore):
         return sorted(folders), files
 
     def walk(self, prefix: str = "") -> dict[str, int]:
-        base = self.key(prefix).rstrip("/") + "/" if self.key(prefix) else ""
+        base = self.folder_key(prefix)
         shown = f"{prefix.rstrip('/')}/" if prefix else ""
         with self._named(self.url(prefix)):
             return {shown + blob.name[len(base):]: blob.size

@@ -211,7 +211,7 @@ class S3Store(StagedStore):
     def list_folder(self, prefix: str) -> tuple[list[str], dict[str, int]]:
         """One "/"-delimited level, page by page (S3-compatible stores do not all list in key order:
         callers sort)."""
-        base = self.key(prefix).rstrip("/") + "/" if self.key(prefix) else ""
+        base = self.folder_key(prefix)
         folders, files = [], {}
         with _named(self.url(prefix)):
             pages = self.client.get_paginator("list_objects_v2").paginate(
@@ -223,15 +223,11 @@ class S3Store(StagedStore):
         return folders, files
 
     def walk(self, prefix: str = "") -> dict[str, int]:
-        base = f"{prefix.rstrip('/')}/" if prefix else ""
-        return {base + name: size for name, size in self._objects(prefix).items()}
-
-    def _objects(self, prefix: str) -> dict[str, int]:
-        base = self.key(prefix).rstrip("/") + "/" if self.key(prefix) else ""
+        base, shown = self.folder_key(prefix), f"{prefix.rstrip('/')}/" if prefix else ""
         found = {}
         with _named(self.url(prefix)):
             for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base):
-                found.update({o["Key"][len(base):]: o["Size"] for o in page.get("Contents", [])})
+                found.update({shown + o["Key"][len(base):]: o["Size"] for o in page.get("Contents", [])})
         return found
 
     def delete(self, names: list[str]) -> None:
