@@ -18,6 +18,7 @@ import re
 import shlex
 
 from vitforge.core import errors
+from vitforge.core.scheduler import SLURM_PORT_BASE, SLURM_PORT_SPAN
 
 from .spec import LaunchSpec
 
@@ -114,7 +115,8 @@ def _rendezvous(spec: LaunchSpec) -> list[str]:
             '$MASTER_ADDR on $(hostname), which other nodes cannot reach: set network_interface in the launch spec '
             '(e.g. eth0, ib0)";; esac',
         ]
-    return lines + ["export MASTER_ADDR", "export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))"]
+    port = f"$(({SLURM_PORT_BASE} + SLURM_JOB_ID % {SLURM_PORT_SPAN}))"  # what scheduler_env derives
+    return lines + ["export MASTER_ADDR", f"export MASTER_PORT={port}"]
 
 
 def _allocation(spec: LaunchSpec) -> list[str]:

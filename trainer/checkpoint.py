@@ -425,9 +425,10 @@ class Checkpointer:
         was saved) keeps its fresh state."""
         seed = restored.manifest["config"]["train"]["seed"] + 1000003 * restored.step + self.rank \
             if restored.resharded else None
-        for saved, parts in ((restored.per_rank, self.parts.per_rank), (restored.shared, self.parts.shared)):
+        for saved, parts, per_rank in ((restored.per_rank, self.parts.per_rank, True),
+                                       (restored.shared, self.parts.shared, False)):
             for name, part in parts.items():
-                if seed is not None and saved is restored.per_rank and isinstance(part, RankBound):
+                if seed is not None and per_rank and isinstance(part, RankBound):
                     part.restart(seed)
                 elif name in saved:
                     part.load_state_dict(saved[name])
