@@ -39,7 +39,7 @@ $(AZURITE): ci/azurite/package-lock.json
 	npm ci --silent --no-audit --no-fund --prefix $(VENV)/azurite
 
 test: setup system-packages azurite
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=30 tests
 
 bench: setup
 	PYTHON=$(PY) benchmarks/run_all.sh

@@ -162,7 +162,9 @@ def _signal_during_start_up(ranks, run, children: bool) -> set[str]:
         time.sleep(0.005)
     signalled = set()
     deadline = time.monotonic() + 240
-    while not (run / "lease.json").exists() and time.monotonic() < deadline and all(r.poll() is None for r in ranks):
+    # Until every rank is gone: a rank left unsignalled would build the op itself and then wait out
+    # the rendezvous for the peer that already left.
+    while not (run / "lease.json").exists() and time.monotonic() < deadline and any(r.poll() is None for r in ranks):
         for rank in ranks:
             try:
                 family = [psutil.Process(rank.pid)]

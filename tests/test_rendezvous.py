@@ -6,6 +6,7 @@ the lost node's host within the collective timeout. (The same across namespace h
 from __future__ import annotations
 
 import fcntl
+import re
 import signal
 import socket
 import struct
@@ -194,4 +195,5 @@ def test_a_peer_that_never_comes_fails_the_rendezvous_in_the_collective_timeout(
     print(f"\nabsent peer: rank 0 exited {result.returncode} after {elapsed:.1f} s (process start included)")
     assert result.returncode not in (0, errors.REQUEUE), result.stderr[-3000:]
     assert "1/2 clients joined" in result.stderr, result.stderr[-3000:]
-    assert elapsed < 50  # process start and 3 s, not the default 600 s
+    waited = re.search(r"Timed out after (\d+) seconds waiting for clients", result.stderr)
+    assert waited and int(waited.group(1)) <= 5, result.stderr[-3000:]  # the 3 s asked for, not the default 600 s
