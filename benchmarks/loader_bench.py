@@ -9,15 +9,29 @@ started and reaped). A steady-state figure is the difference between a long and 
 same side (`--long` and `--short` batches): start-up, imports, worker forks and the first
 prefetch cancel out, and so does whatever was prefetched but never consumed at the end.
 
-Sides: the DALI CPU backend, the torch backend, a plain baseline (webdataset + Pillow +
-torchvision RandomResizedCrop/flip/normalise in a DataLoader), and the decode-only floor
-(simplejpeg full decode of each image, nothing else). Then a consumer that sleeps per batch (the
-step) for 1.5x the time the side itself needs per batch, so the loader is faster than the step:
-the fraction of the consumer's time spent waiting for data, over all batches after the fifth. The
-sleep stands in for a GPU step, so DALI runs overlapped there, as it does by default on a GPU; the
-throughput lines use the CPU-device default (DALI in line).
-Goals: best CPU backend >= 1.5x the baseline per CPU-second, within 2x of the floor; data wait
-<= 5% when the loader outpaces the consumer.
+Sides, each doing the same work per image (decode a JPEG, crop a random-resized-crop window,
+resize it to 224 px with an antialiased bilinear filter, maybe flip, normalise to float32 NCHW
+with the ImageNet mean and std, hand the batch to the consuming process):
+- dali-cpu: DALI's region-of-interest JPEG decode, resize and crop-mirror-normalise in its own
+  threads (in line with the consumer here, the CPU-device default);
+- torch: our DataLoader workers decode (libjpeg-turbo via simplejpeg, at a reduced DCT scale when
+  the crop allows), crop and resize with Pillow into the uint8 batch; the batch crosses to the
+  consumer as uint8 and the consumer's process normalises it (a read-ahead thread), as the
+  device does on a GPU: that cost is inside the measured process tree;
+- baseline: webdataset + Pillow decode + torchvision RandomResizedCrop/flip/ToTensor/Normalize
+  in a DataLoader, float batches to the consumer;
+- floor: simplejpeg's full decode of each image, nothing else (no crop, resize, normalise or
+  inter-process copy): what decoding alone costs.
+What still differs: the baseline reads tars with webdataset and shuffles with its buffer, ours
+read by index in the epoch's order; our crop windows come from a hash, torchvision's from its RNG
+(the same distribution); the floor decodes every image whole and at full scale.
+Then a consumer that sleeps per batch (the step) for 1.5x the time the side itself needs per batch,
+so the loader is faster than the step: the fraction of the consumer's time spent waiting for data,
+over all batches after the fifth. The sleep stands in for a GPU step, so DALI runs overlapped
+there, as it does by default on a GPU; the throughput lines use the CPU-device default (DALI in
+line).
+Goals: best CPU backend >= 2.0x the baseline per CPU-second (first bar 1.5x); the floor within
+1.4x of the best backend; data wait <= 5% when the loader outpaces the consumer.
 """
 
 from __future__ import annotations
@@ -135,9 +149,9 @@ def main() -> int:
     per_cpu = {k: v["images_per_cpu_s"] for k, v in rates.items()}
     best = max(("dali-cpu", "torch"), key=per_cpu.get)
     print(f"best CPU backend ({best}) vs baseline, per CPU-second: {per_cpu[best] / per_cpu['baseline']:.2f}x "
-          "(goal >= 1.5x)")
+          "(goal >= 2.0x (first bar 1.5x))")
     print(f"decode-only floor vs best CPU backend, per CPU-second: {per_cpu['floor'] / per_cpu[best]:.2f}x "
-          "(goal <= 2x)")
+          "(goal <= 1.4x)")
     print(f"images/s: dali-cpu {rates['dali-cpu']['images_per_s'] / rates['baseline']['images_per_s']:.2f}x, "
           f"torch {rates['torch']['images_per_s'] / rates['baseline']['images_per_s']:.2f}x the baseline "
           "(for comparison)")

@@ -43,6 +43,9 @@ from .files import PARTIAL_MARK
 from .retry import TransientError
 
 ENTRY_POINT_GROUP = "vitforge.stores"
+# Parts (blocks) of one file an object store uploads at once, per rank: enough for a remote store's
+# bandwidth, few enough that an upload in the background takes little from training.
+UPLOAD_THREADS = 4
 
 
 @dataclass(frozen=True)
@@ -66,8 +69,10 @@ class Store(Protocol):
     def temp_path(self, name: str) -> str:
         """A local path to write `name` before `put_file`; its writer's host and pid are in it."""
 
-    def put_file(self, local_path: str, name: str, keep: bool = False) -> None:
-        """Move (with `keep`: copy) a local file in, all or nothing; large files in parallel parts."""
+    def put_file(self, local_path: str, name: str, keep: bool = False) -> str | None:
+        """Move (with `keep`: copy) a local file in, all or nothing; large files in parallel parts.
+        Returns the sha256 of the bytes sent where the store hashes them as it reads them (S3),
+        else None (the caller hashes the file itself when it needs the sum)."""
 
     def put_bytes(self, name: str, data: bytes) -> None:
         """Write a small object whole, replacing any."""

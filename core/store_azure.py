@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from .errors import PreconditionFailed, StorageError, UsageError
 from .retry import TransientError, current_operation, past_deadline, store_limits, with_retries
-from .store import ObjectInfo, StagedStore, whole
+from .store import UPLOAD_THREADS, ObjectInfo, StagedStore, whole
 
 try:
     from azure.core import MatchConditions
@@ -46,7 +46,6 @@ log = logging.getLogger("vitforge.store")
 logging.getLogger("azure.core.pipeline.policies.http_logging_policy").setLevel(logging.WARNING)
 BLOCK_BYTES = 16 << 20  # per staged block; blocks in flight x this is what an upload holds in memory
 SINGLE_PUT_BYTES = 32 << 20  # larger objects go up as parallel blocks
-UPLOAD_THREADS = 8
 LIST_PAGE = 5000  # blobs per listing page (Azure's most): what a listing holds at a time
 CONTAINER_NAME = re.compile(r"[a-z0-9](?!.*--)[a-z0-9-]{1,61}[a-z0-9]")
 

@@ -14,19 +14,30 @@ a bad signature, a missing bucket) are never retried.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import itertools
 import logging
 import os
 import threading
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from .errors import PreconditionFailed, StorageError
 from .retry import StoreLimits, TransientError, current_operation, past_deadline, store_limits, with_retries
-from .store import ObjectInfo, StagedStore, bucket_and_prefix, whole
+from .store import UPLOAD_THREADS, ObjectInfo, StagedStore, bucket_and_prefix, whole
 
 log = logging.getLogger("vitforge.store")
 LIST_PAGE_KEYS = 1000  # keys per listing page (S3's most): what a listing holds at a time
-UPLOAD_PART_BYTES = 64 << 20  # per multipart part (S3's least is 5 MiB): 8 in flight is what an upload holds
+UPLOAD_PART_BYTES = 64 << 20  # per multipart part (S3's least is 5 MiB): x UPLOAD_THREADS is what an upload holds
+# What botocore would hash besides our own sha256 (RunStore's receipt, checked again on every restore):
+# a CRC32 of every request (botocore >= 1.36, "when_supported") and, when that is off or over plain
+# HTTP, a SHA-256 of every body for the signature. Both are a pass over every byte of a checkpoint on
+# the CPUs that train. Over HTTPS, TLS already authenticates every byte in transit; S3 still gets the
+# checksums its API requires (DeleteObjects).
+NO_EXTRA_CHECKSUMS = {"request_checksum_calculation": "when_required", "response_checksum_validation": "when_required",
+                      "s3": {"payload_signing_enabled": False}}
 
 
 def open_s3(url: str, work_dir: str) -> "S3Store":
@@ -131,7 +142,8 @@ class S3Store(StagedStore):
             with _CLIENT_LOCK:
                 if self._client is None:
                     limits = store_limits()
-                    client = boto3.client("s3", config=Config(**limits.botocore_config(), max_pool_connections=32))
+                    client = boto3.client("s3", config=Config(**limits.botocore_config(), **NO_EXTRA_CHECKSUMS,
+                                                              max_pool_connections=32))
                     client.meta.events.register("before-send.s3", self.count_request)
                     bound_requests(client.meta.events, limits)
                     self._client = client
@@ -146,16 +158,57 @@ class S3Store(StagedStore):
     def staging_key(self, name: str) -> str:
         return f"{self.bucket}/{self.key(name)}"
 
-    def put_file(self, local_path: str, name: str, keep: bool = False) -> None:
-        """Parallel multipart upload (UPLOAD_PART_BYTES parts, 8 threads); S3 shows the object only when whole."""
-        from boto3.s3.transfer import TransferConfig
-
-        config = TransferConfig(multipart_threshold=UPLOAD_PART_BYTES, multipart_chunksize=UPLOAD_PART_BYTES,
-                                max_concurrency=8)
-        with _named(self.url(name)):
-            self.client.upload_file(local_path, self.bucket, self.key(name), Config=config)
+    def put_file(self, local_path: str, name: str, keep: bool = False) -> str:
+        """One PUT up to UPLOAD_PART_BYTES, else a multipart upload of UPLOAD_PART_BYTES parts,
+        UPLOAD_THREADS at a time (S3 shows the object only when whole; a failed one is aborted).
+        Returns the sha256 of the bytes sent: each part is read once, sent from memory and hashed
+        in order, so checking costs no second pass over the file. From memory, a part's send holds
+        the GIL once, where a streamed file body takes it back every 16 KiB: that churn slows a
+        training thread in the same process. The part threads start from the calling thread and
+        inherit its CPU priority. Holds at most UPLOAD_THREADS + 1 parts in memory."""
+        digest = hashlib.sha256()
+        with open(local_path, "rb") as f, _named(self.url(name)):
+            size = os.fstat(f.fileno()).st_size
+            if size <= UPLOAD_PART_BYTES:
+                data = f.read()
+                digest.update(data)
+                self.client.put_object(Bucket=self.bucket, Key=self.key(name), Body=data)
+            else:
+                self._put_parts(f.fileno(), size, name, digest)
         if not keep:
             os.unlink(local_path)
+        return digest.hexdigest()
+
+    def _put_parts(self, fd: int, size: int, name: str, digest) -> None:
+        key = self.key(name)
+        upload = self.client.create_multipart_upload(Bucket=self.bucket, Key=key)["UploadId"]
+
+        def part(number: int, start: int) -> tuple[bytes, dict]:
+            data = os.pread(fd, min(UPLOAD_PART_BYTES, size - start), start)
+            if len(data) != min(UPLOAD_PART_BYTES, size - start):
+                raise StorageError(f"{self.url(name)}: the local file shrank while it was uploaded")
+            answer = self.client.upload_part(Bucket=self.bucket, Key=key, UploadId=upload, PartNumber=number,
+                                             Body=data)
+            return data, {"PartNumber": number, "ETag": answer["ETag"]}
+
+        try:
+            with ThreadPoolExecutor(UPLOAD_THREADS) as pool:
+                starts = enumerate(range(0, size, UPLOAD_PART_BYTES), start=1)
+                pending = deque(pool.submit(part, n, s) for n, s in itertools.islice(starts, UPLOAD_THREADS))
+                parts = []
+                while pending:
+                    data, sent = pending.popleft().result()
+                    digest.update(data)
+                    parts.append(sent)
+                    following = next(starts, None)
+                    if following is not None:
+                        pending.append(pool.submit(part, *following))
+            self.client.complete_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload,
+                                                  MultipartUpload={"Parts": parts})
+        except BaseException:
+            with contextlib.suppress(Exception):  # what cannot be aborted now, clean_incomplete aborts later
+                self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload)
+            raise
 
     def put_bytes(self, name: str, data: bytes) -> None:
         with _named(self.url(name)):

@@ -29,7 +29,7 @@ class Batch(TypedDict):
 
     image: torch.Tensor
     """N x 3 x S x S in the spec's dtype (float32 or bfloat16), normalised, on the loader's device.
-    (Between a torch decode worker and the consumer: N x S x S x 3 uint8 on the host.)"""
+    (Between a torch decode worker and the consumer: N x 3 x S x S uint8 on the host.)"""
     label: torch.Tensor
     """N int64 on the device; -1 (IGNORE_LABEL): no label, a replaced sample or eval padding."""
     real: torch.Tensor

@@ -297,8 +297,7 @@ def _pack_shard(staging: str, results, progress: Progress) -> StagedShard:
     changes: Counter = Counter()
     histograms = {name: Counter() for name in HISTOGRAMS}
     with _removed_on_error(staging):
-        with open(staging, "wb", buffering=1 << 20) as out:
-            writer = TarShardWriter(out)
+        with open(staging, "wb", buffering=1 << 20) as out, TarShardWriter(out) as writer:
             for result in results:
                 if "reject" in result:
                     rejects.append(result["reject"])

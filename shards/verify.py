@@ -119,7 +119,8 @@ def info(dest: str) -> str:
         "classes      none (unlabelled)" if manifest["num_classes"] is None else
         f"classes      {manifest['num_classes']}; samples per class min {min(counts, default=0)},"
         f" median {statistics.median(counts) if counts else 0:g}, max {max(counts, default=0)}",
-        f"shard sizes  min {_human(sizes[0] if sizes else 0)}, median {_human(statistics.median(sizes) if sizes else 0)},"
+        f"shard sizes  min {_human(sizes[0] if sizes else 0)},"
+        f" median {_human(statistics.median(sizes) if sizes else 0)},"
         f" max {_human(sizes[-1] if sizes else 0)}",
     ]
     lines += ["shard size histogram:"] + _histogram(sizes)

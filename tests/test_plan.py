@@ -51,7 +51,7 @@ def test_plan_figures_agree_with_each_other():
     assert result["images_per_s"] == pytest.approx(8 * per_gpu)
     assert result["epoch_hours"] == pytest.approx(1e6 / (8 * per_gpu) / 3600)
     assert result["gpu_hours"] == pytest.approx(10 * result["epoch_hours"] * 8)
-    assert result["decode_cores_per_node_cpu"] == pytest.approx(4 * per_gpu * 2.3e-3)
+    assert result["decode_cores_per_node_cpu"] == pytest.approx(4 * per_gpu * PlanInput().cpu_decode_ms / 1000)
     assert result["shards"] == 100 and result["shard_images"] == 10_000
     # Each node's ranks read adjacent partitions: half the shards plus the one cut in two at the seam.
     assert result["egress_bytes_per_node_per_epoch"] == 51 * 10**9

@@ -43,6 +43,7 @@ UNIVERSAL = "universal"
 UNIVERSAL_MARKER = "universal.json"
 TAG = re.compile(r"^step_(\d{8,})$")
 MANIFEST_VERSION = 2
+UPLOAD_FILES = 2  # files a rank uploads at once: a small one need not wait behind a large one
 log = logging.getLogger("vitforge.checkpoint")
 T = TypeVar("T")
 
@@ -269,18 +270,20 @@ class RunStore:
         self.store.put_file(local_path, name, keep=True)
 
     def upload_folder(self, root: str, prefix: str) -> dict[str, dict]:
-        """Every file under local `root` to `prefix`/..., 4 at a time; returns {name relative to root:
-        {"bytes", "sha256"}} for a receipt or a marker."""
+        """Every file under local `root` to `prefix`/..., UPLOAD_FILES at a time; returns {name relative
+        to root: {"bytes", "sha256"}} for a receipt or a marker. The sha256 is of the very bytes sent
+        where the store hashes them as it reads them (S3: one read, one hash, one send per byte, and
+        the client adds no checksum of its own); other stores' files are hashed after their upload.
+        Per rank: UPLOAD_FILES threads, each with the store's UPLOAD_THREADS part threads; on S3 each
+        file holds UPLOAD_THREADS + 1 parts in memory (2 x 5 x 64 MiB = 640 MiB at most)."""
         names = sorted(os.path.relpath(os.path.join(d, n), root) for d, _, ns in os.walk(root) for n in ns)
 
         def one(name: str) -> tuple[str, dict]:
             path = os.path.join(root, name)
-            with ThreadPoolExecutor(1) as hasher:  # hashing overlaps the upload: two reads of the page cache
-                digest = hasher.submit(sha256_file, path)
-                self.upload(path, f"{prefix}/{name}")
-                return name, {"bytes": os.path.getsize(path), "sha256": digest.result()}
+            digest = self.store.put_file(path, f"{prefix}/{name}", keep=True) or sha256_file(path)
+            return name, {"bytes": os.path.getsize(path), "sha256": digest}
 
-        with ThreadPoolExecutor(4) as pool:
+        with ThreadPoolExecutor(UPLOAD_FILES) as pool:
             return dict(pool.map(one, names))
 
     def put_bytes(self, name: str, data: bytes) -> None:
