@@ -32,12 +32,13 @@ log = logging.getLogger("vitforge.store")
 LIST_PAGE_KEYS = 1000  # keys per listing page (S3's most): what a listing holds at a time
 UPLOAD_PART_BYTES = 64 << 20  # per multipart part (S3's least is 5 MiB): x UPLOAD_THREADS is what an upload holds
 # What botocore would hash besides our own sha256 (RunStore's receipt, checked again on every restore):
-# a CRC32 of every request (botocore >= 1.36, "when_supported") and, when that is off or over plain
-# HTTP, a SHA-256 of every body for the signature. Both are a pass over every byte of a checkpoint on
-# the CPUs that train. Over HTTPS, TLS already authenticates every byte in transit; S3 still gets the
-# checksums its API requires (DeleteObjects).
-NO_EXTRA_CHECKSUMS = {"request_checksum_calculation": "when_required", "response_checksum_validation": "when_required",
-                      "s3": {"payload_signing_enabled": False}}
+# a CRC32 of every request (botocore >= 1.36, "when_supported"), and a SHA-256 of every body for the
+# signature. Both are a pass over every byte of a checkpoint on the CPUs that train. The CRC goes
+# (S3 still gets the checksums its API requires: DeleteObjects); the body's SHA-256 goes only over
+# HTTPS, where TLS authenticates every byte in transit: over plain HTTP it is the only check in transit.
+NO_EXTRA_CHECKSUMS = {"request_checksum_calculation": "when_required", "response_checksum_validation": "when_required"}
+UNSIGNED_BODIES_OVER_TLS = {"s3": {"payload_signing_enabled": False}}
+MAX_PARTS = 10_000  # S3's most parts in one multipart upload
 
 
 def open_s3(url: str, work_dir: str) -> "S3Store":
@@ -142,8 +143,10 @@ class S3Store(StagedStore):
             with _CLIENT_LOCK:
                 if self._client is None:
                     limits = store_limits()
-                    client = boto3.client("s3", config=Config(**limits.botocore_config(), **NO_EXTRA_CHECKSUMS,
-                                                              max_pool_connections=32))
+                    settings = {**limits.botocore_config(), **NO_EXTRA_CHECKSUMS, "max_pool_connections": 32}
+                    client = boto3.client("s3", config=Config(**settings))
+                    if client.meta.endpoint_url.startswith("https://"):
+                        client = boto3.client("s3", config=Config(**settings, **UNSIGNED_BODIES_OVER_TLS))
                     client.meta.events.register("before-send.s3", self.count_request)
                     bound_requests(client.meta.events, limits)
                     self._client = client
@@ -183,9 +186,11 @@ class S3Store(StagedStore):
         key = self.key(name)
         upload = self.client.create_multipart_upload(Bucket=self.bucket, Key=key)["UploadId"]
 
+        part_bytes = max(UPLOAD_PART_BYTES, -(-size // MAX_PARTS))  # past 625 GiB, larger parts
+
         def part(number: int, start: int) -> tuple[bytes, dict]:
-            data = os.pread(fd, min(UPLOAD_PART_BYTES, size - start), start)
-            if len(data) != min(UPLOAD_PART_BYTES, size - start):
+            data = os.pread(fd, min(part_bytes, size - start), start)
+            if len(data) != min(part_bytes, size - start):
                 raise StorageError(f"{self.url(name)}: the local file shrank while it was uploaded")
             answer = self.client.upload_part(Bucket=self.bucket, Key=key, UploadId=upload, PartNumber=number,
                                              Body=data)
@@ -193,7 +198,7 @@ class S3Store(StagedStore):
 
         try:
             with ThreadPoolExecutor(UPLOAD_THREADS) as pool:
-                starts = enumerate(range(0, size, UPLOAD_PART_BYTES), start=1)
+                starts = enumerate(range(0, size, part_bytes), start=1)
                 pending = deque(pool.submit(part, n, s) for n, s in itertools.islice(starts, UPLOAD_THREADS))
                 parts = []
                 while pending:

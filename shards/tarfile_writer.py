@@ -23,7 +23,6 @@ DALI_INDEX_VERSION = "v1.2"
 SAMPLE_IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 BATCH_BYTES = 1 << 20  # sample bytes per hand-over to the writer thread
 QUEUED = 4  # batches waiting for the writer thread
-WRITEBACK_BYTES = 32 << 20  # how often the writer thread starts the disk writes of what it wrote
 ZEROS = bytes(BLOCK)  # padding is a slice of it
 
 
@@ -33,10 +32,9 @@ class TarShardWriter:
 
     One background thread hashes and writes the members, each piece hashed right after it is written
     (while it is still in the CPU cache), so the tar stream's sha256 is off the caller's thread; the
-    caller hands over a batch of pieces per BATCH_BYTES. Each WRITEBACK_BYTES written, the thread asks
-    the kernel to start writing them to disk, so the fsync that publishes the shard waits only for the
-    tail. Per writer: at most (QUEUED + 2) x BATCH_BYTES of sample bytes held (~6 MiB), and one index line per
-    sample (~60 bytes). Use it as a context manager, or call close()."""
+    caller hands over a batch of pieces once it holds BATCH_BYTES. Per writer: at most (QUEUED + 2)
+    batches held, each under BATCH_BYTES plus one sample (~6 MiB for images under 1 MiB), and one
+    index line per sample (~60 bytes). Use it as a context manager, or call close()."""
 
     out: BinaryIO
     offset: int = 0  # bytes of the archive so far, the queued ones included
@@ -52,8 +50,10 @@ class TarShardWriter:
     def __enter__(self) -> TarShardWriter:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, kind, *_) -> None:
         self._stop()
+        if kind is None and self._error is not None:  # left without close(): the write still failed
+            raise self._error
 
     def write(self, sample: dict) -> None:
         key = sample["__key__"]
@@ -106,7 +106,6 @@ class TarShardWriter:
         self._pending, self._pending_bytes = [], 0
 
     def _drain(self) -> None:
-        written = started = 0  # bytes written; bytes whose writeback was started
         while (pieces := self._queue.get()) is not None:
             if self._error is not None:
                 continue  # after a failed write only empty the queue, so that put() never blocks
@@ -114,9 +113,6 @@ class TarShardWriter:
                 for piece in pieces:
                     self.out.write(piece)
                     self._sha.update(piece)
-                    written += len(piece)
-                if written - started >= WRITEBACK_BYTES:
-                    started = _start_writeback(self.out, started, written)
             except BaseException as e:
                 self._error = e
 
@@ -125,21 +121,6 @@ class TarShardWriter:
             self._queue.put(None)
             self._thread.join()
             self._thread = None
-
-
-def _start_writeback(out: BinaryIO, start: int, end: int) -> int:
-    """Start (not wait for) the disk writes of bytes [start, end) of a real file; returns where the
-    next call starts. Python has no sync_file_range; POSIX_FADV_DONTNEED on Linux starts writeback of
-    the dirty pages of the range and drops only pages already clean, so nothing just written leaves
-    the page cache. Elsewhere, and for a file object without a descriptor, the final fsync does it all."""
-    if not hasattr(os, "posix_fadvise"):
-        return end
-    try:
-        out.flush()
-        os.posix_fadvise(out.fileno(), start, end - start, os.POSIX_FADV_DONTNEED)
-    except (OSError, ValueError, AttributeError):  # io.UnsupportedOperation is both of the first two
-        pass  # not a file with a descriptor: nothing to start
-    return end
 
 
 def _template() -> bytes:
