@@ -15,8 +15,8 @@ against raw boto3 on the same files. One run, against the local S3 server (Seawe
     Goal: at most 1.3x. vitforge's upload threads run at the lowest CPU priority (nice 19;
     `--upload-nice 0` shows what that buys).
 What still differs: vitforge also hashes every byte (sha256) on both paths, and raw boto3 writes
-no receipt or manifest; raw boto3 keeps botocore's default request checksums (CRC32, and a SHA-256
-of every body for the signature over plain HTTP), which vitforge's client turns off.
+no receipt or manifest; raw boto3 keeps botocore's default CRC32 of every request, which vitforge's
+client turns off (both sides sign every body with its SHA-256 here: the server is plain HTTP).
 The S3 server shares the 2 cores that train, and its own CPU use while receiving is an artefact of
 the machine (on a cluster the store is remote): so by default it runs at nice 19 (`--server-nice`;
 0 runs it as it comes), standing in for a remote store. Raw boto3 runs against the same server at

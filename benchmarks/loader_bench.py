@@ -14,8 +14,9 @@ resize it to 224 px with an antialiased bilinear filter, maybe flip, normalise t
 with the ImageNet mean and std, hand the batch to the consuming process):
 - dali-cpu: DALI's region-of-interest JPEG decode, resize and crop-mirror-normalise in its own
   threads (in line with the consumer here, the CPU-device default);
-- torch: our DataLoader workers decode (libjpeg-turbo via simplejpeg, at a reduced DCT scale when
-  the crop allows), crop and resize with Pillow into the uint8 batch; the batch crosses to the
+- torch: our DataLoader workers decode (libjpeg-turbo via simplejpeg, at a reduced DCT scale of
+  1/2 or below when the crop allows), crop and resize (torch's antialiased bilinear for windows on
+  whole pixels, Pillow's otherwise) into the uint8 batch; the batch crosses to the
   consumer as uint8 and the consumer's process normalises it (a read-ahead thread), as the
   device does on a GPU: that cost is inside the measured process tree;
 - baseline: webdataset + Pillow decode + torchvision RandomResizedCrop/flip/ToTensor/Normalize

@@ -30,7 +30,7 @@ from .store import UPLOAD_THREADS, ObjectInfo, StagedStore, bucket_and_prefix, w
 
 log = logging.getLogger("vitforge.store")
 LIST_PAGE_KEYS = 1000  # keys per listing page (S3's most): what a listing holds at a time
-UPLOAD_PART_BYTES = 64 << 20  # per multipart part (S3's least is 5 MiB): x UPLOAD_THREADS is what an upload holds
+UPLOAD_PART_BYTES = 64 << 20  # per multipart part (S3's least is 5 MiB): x (UPLOAD_THREADS + 1) is what an upload holds
 # What botocore would hash besides our own sha256 (RunStore's receipt, checked again on every restore):
 # a CRC32 of every request (botocore >= 1.36, "when_supported"), and a SHA-256 of every body for the
 # signature. Both are a pass over every byte of a checkpoint on the CPUs that train. The CRC goes
@@ -185,12 +185,12 @@ class S3Store(StagedStore):
     def _put_parts(self, fd: int, size: int, name: str, digest) -> None:
         key = self.key(name)
         upload = self.client.create_multipart_upload(Bucket=self.bucket, Key=key)["UploadId"]
-
         part_bytes = max(UPLOAD_PART_BYTES, -(-size // MAX_PARTS))  # past 625 GiB, larger parts
 
         def part(number: int, start: int) -> tuple[bytes, dict]:
-            data = os.pread(fd, min(part_bytes, size - start), start)
-            if len(data) != min(part_bytes, size - start):
+            length = min(part_bytes, size - start)
+            data = os.pread(fd, length, start)
+            if len(data) != length:
                 raise StorageError(f"{self.url(name)}: the local file shrank while it was uploaded")
             answer = self.client.upload_part(Bucket=self.bucket, Key=key, UploadId=upload, PartNumber=number,
                                              Body=data)
