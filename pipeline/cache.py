@@ -7,7 +7,10 @@ when whole.
 
 The bound (data.cache_gb) always holds: the bytes of the cached files plus the bytes reserved by
 fetches in flight (a partial file reserves its whole length from the start) never exceed it, however
-many ranks and loader workers fetch at once; every decision is taken under one folder-wide flock.
+many ranks and loader workers fetch at once; every decision is taken under one folder-wide flock,
+and a fetch renames its partial file to the final name under it too: a scan lists the folder, then
+asks each partial file's lock whether its fetch lives, so a fetch that renamed and let go of its
+lock in between would be counted as neither (a dead partial, and a name the listing lacks).
 Room is made by removing cached shards, those this node reads no more this epoch first, then the one
 it needs last (Belady: `next_use` knows the node's order). A shard a reader holds open (a shared
 flock on the file) is never removed: its space is in use, and unlinking it would free nothing on
@@ -180,7 +183,8 @@ class ShardCache:
         self.streamed = 0  # shards needed now that found no room, read from the store
         self._warned = False
         self._disk_full = False  # once a fetch could not be written, this reader streams what is not cached
-        with locked(os.path.join(spec.folder, ".room" + LOCK)):
+        self._room_lock = os.path.join(spec.folder, ".room" + LOCK)  # every decision on the folder's bytes
+        with locked(self._room_lock):
             for entry in os.scandir(spec.folder):
                 if entry.name.endswith(PARTIAL):
                     self._partial_size_or_discard(entry)
@@ -251,7 +255,10 @@ class ShardCache:
                 fd = os.open(partial, os.O_RDONLY)  # the inode, whatever removes the name
                 if now:
                     fcntl.flock(fd, fcntl.LOCK_SH)  # held before it has a name that eviction sees
-                os.rename(partial, final)
+                # Under the folder's lock, or a scan that listed the partial name could find its lock
+                # free by the time it asks, count this shard as room and admit one fetch too many.
+                with locked(self._room_lock):
+                    os.rename(partial, final)
                 _mark_checked(final, fd)
             except LocalWriteError as e:
                 if fd is not None:
@@ -291,7 +298,7 @@ class ShardCache:
         if need > self.spec.limit_bytes:
             return False
         while True:
-            with locked(os.path.join(self.spec.folder, ".room" + LOCK)):
+            with locked(self._room_lock):
                 shards, total, in_flight = [], 0, False
                 for entry in os.scandir(self.spec.folder):
                     if entry.name.endswith(PARTIAL):

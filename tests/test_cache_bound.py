@@ -136,6 +136,48 @@ def test_a_shard_needed_now_waits_for_a_fetch_in_flight_then_evicts_it(shards, s
     held.close()
 
 
+def test_a_fetch_that_finishes_while_another_counts_the_folder_is_still_counted(shards, s3_env, tmp_path,
+                                                                                 monkeypatch):
+    """The interleaving that broke the bound once in CI, forced: a read-ahead lists the folder while
+    another reader's fetch is in flight, and that fetch tries to finish (rename, let go of its lock)
+    before the read-ahead asks the partial file's lock whether its fetch lives. The finish has to wait
+    for the count, so the shard in flight is counted and the read-ahead finds no room."""
+    folder = str(tmp_path / "cache")
+    by_name = names(shards)
+    listed, finished = threading.Event(), threading.Event()
+    ask_lock = ShardCache._partial_size_or_discard
+
+    def ask_after_the_fetch_tried_to_finish(self, entry):
+        listed.set()
+        finished.wait(2)  # the fetch finishes here unless the rename waits for the folder's lock
+        return ask_lock(self, entry)
+
+    class StoreThatWaitsForTheListing:  # the other reader's store: its download starts once listed
+        def __init__(self, store):
+            self.store = store
+
+        def download(self, *args, **kwargs):
+            assert listed.wait(30)
+            return self.store.download(*args, **kwargs)
+
+    spec = CacheSpec(folder, SHARD + SHARD // 2, BLOCK, 2)
+    fetching = ShardCache(spec, lambda n: by_name[n])
+    store, _ = fetching._store_for(shards[0][0])
+    fetching._stores[shards[0][0].rpartition("/")[0]] = StoreThatWaitsForTheListing(store)
+    monkeypatch.setattr(ShardCache, "_partial_size_or_discard", ask_after_the_fetch_tried_to_finish)
+    reading_ahead = ShardCache(spec, lambda n: by_name[n])  # (its start-up scan finds no partial file)
+    fetch = threading.Thread(target=lambda: fetching.prefetch(*shards[0]) and finished.set())
+    fetch.start()
+    partial = os.path.join(folder, shard_file_name(*shards[0]) + PARTIAL)
+    deadline = time.monotonic() + 30
+    while not os.path.exists(partial) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert os.path.exists(partial)
+    assert not reading_ahead.prefetch(*shards[1]) and reading_ahead.skipped == 1
+    fetch.join(30)
+    assert finished.is_set() and cached(folder) == {0} and folder_bytes(folder) == SHARD
+
+
 def test_cache_footprint_rule():
     gb = 10**9
     paper = cache_footprint(int(3.3 * gb), 8, 2, 64 * gb)
