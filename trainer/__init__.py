@@ -12,13 +12,15 @@ HEAVY = {"distributed": ("PeerWatch", "check_socket_interfaces"),
          "model": ("PAPER_PARAMETERS", "PEAK_FLOPS", "TINY_MODELS", "adapt_state_dict", "build_model",
                    "check_model_name", "forward_flops", "parameter_count"),
          "objective": ("OBJECTIVES", "Objective", "get_objective", "register_objective"),
+         "probe": ("L2_GRID", "ProbeError", "ProbeResult", "choose_shots", "knn_top1", "linear_probe"),
          "state": ("RandomState", "RankBound", "Stateful", "StateParts"),
          "train": ("PeerLost", "Requeue", "Trainer", "run", "run_eval")}
 
-__all__ = ["Config", "ConfigError", "OBJECTIVES", "Objective", "PAPER_PARAMETERS", "PEAK_FLOPS", "PeerLost",
-           "PeerWatch", "RandomState", "RankBound", "Requeue", "RunStore", "StateParts", "Stateful", "TINY_MODELS",
-           "Trainer", "adapt_state_dict", "build_model", "check_model_name", "check_socket_interfaces", "forward_flops",
-           "get_objective", "load_config", "parameter_count", "register_objective", "run", "run_eval", "tag_for"]
+__all__ = ["Config", "ConfigError", "L2_GRID", "OBJECTIVES", "Objective", "PAPER_PARAMETERS", "PEAK_FLOPS", "PeerLost",
+           "PeerWatch", "ProbeError", "ProbeResult", "RandomState", "RankBound", "Requeue", "RunStore", "StateParts",
+           "Stateful", "TINY_MODELS", "Trainer", "adapt_state_dict", "build_model", "check_model_name",
+           "check_socket_interfaces", "choose_shots", "forward_flops", "get_objective", "knn_top1", "linear_probe",
+           "load_config", "parameter_count", "register_objective", "run", "run_eval", "tag_for"]
 
 
 __getattr__ = lazy_exports(__name__, globals(), HEAVY)
