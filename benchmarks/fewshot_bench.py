@@ -17,6 +17,10 @@ feature, fit regularised least squares to {-1, 1} targets, predict the test rows
 What still differs: the two choices of regulariser (held-out fifth vs leave-one-out) are not the
 same procedure, so the last pair compares costs of choosing, not identical work; vitforge scores in
 float32, scikit-learn in float64.
+Then the evaluator end to end on the tiny model (vit_tiny_cpu, random weights, 64 px), one process:
+features of `--e2e-images` images of loader_bench's JPEG corpus for each split (decode, eval
+resize and crop, forward), the gather, and 1/5/10/25-shot plus kNN. Both splits are subsets of the
+same corpus (different seeds): a cost figure, not an accuracy.
 Goal: the one-regulariser solve at least as fast as RidgeClassifier, and under 10 s for 1,000
 classes x 25 shots at width 1,280 on 2 cores.
 """
@@ -75,6 +79,35 @@ else:
 print(json.dumps({"seconds": time.perf_counter() - start, "memory": rss() - held, "top1": accuracy, "l2": l2}))
 '''
 
+END_TO_END = r'''
+import json, os, resource, sys, time
+import torch, torch.distributed as dist
+from vitforge.core import free_port
+from vitforge.pipeline import LoaderSpec, build_loader
+from vitforge.trainer import build_model, get_objective
+from vitforge.trainer.config import EvalConfig
+from vitforge.trainer.probe_eval import ProbeSet, gather_rows, probe_metrics, split_features
+
+shards, images = sys.argv[1], int(sys.argv[2])
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+dist.init_process_group("gloo", rank=0, world_size=1)
+loaders = [build_loader(LoaderSpec(shards, batch_size=64, image_size=64, train=False, backend="torch",
+                                   workers=len(os.sched_getaffinity(0)), subset=images, seed=seed))
+           for seed in (0, 1)]
+model = build_model("vit_tiny_cpu", loaders[0].index.num_classes, 64).eval()
+objective = get_objective("classification")
+cfg = EvalConfig(probes={"corpus": {"train": shards, "test": shards}}, fewshot=[1, 5, 10, 25], knn=20)
+probe = ProbeSet("corpus", *loaders, loaders[0].index.num_classes, loaders[0].index.classes)
+start = time.perf_counter()
+gathered = [gather_rows(*split_features(model, loader, objective, None)) for loader in loaders]
+features = time.perf_counter() - start
+metrics = probe_metrics(probe, *gathered, cfg)
+total = time.perf_counter() - start
+print(json.dumps({"seconds": total, "features": features, "solve": total - features,
+                  "memory": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  "metrics": sorted(k for k in metrics if not k.endswith(("_l2", "_images")))}))
+'''
+
 
 def run_side(side: str, args) -> dict:
     out = subprocess.run([sys.executable, "-c", RUNNER, side, str(args.classes), str(args.shots), str(args.dim),
@@ -89,6 +122,8 @@ def main() -> int:
     p.add_argument("--shots", type=int, default=25)
     p.add_argument("--dim", type=int, default=1280)
     p.add_argument("--test", type=int, default=10000, help="test rows (rounded to a multiple of the classes)")
+    p.add_argument("--e2e-images", type=int, default=1000, help="images per split end to end (0: skip)")
+    p.add_argument("--work", default=str(REPO / "bench-out"), help="where loader_bench's corpus is (made if absent)")
     args = p.parse_args()
     print(f"few-shot probe: {args.classes} classes x {args.shots} shots = {args.classes * args.shots} rows of width "
           f"{args.dim}, {args.test} test rows, {os.cpu_count()} CPUs")
@@ -105,7 +140,27 @@ def main() -> int:
           f"{results['vitforge']['seconds']:.2f} s (goal < 10 s)")
     print(f"regulariser chosen: vitforge {grid:.2f}x the speed of RidgeClassifierCV (for comparison); "
           f"{results['vitforge-grid']['seconds']:.2f} s")
+    if args.e2e_images:
+        shards = loader_corpus(Path(args.work))
+        out = subprocess.run([sys.executable, "-c", END_TO_END, str(shards), str(args.e2e_images)], check=True,
+                             capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+        e2e = json.loads(out.stdout.strip().splitlines()[-1])
+        print(f"end to end, vit_tiny_cpu at 64 px, {args.e2e_images} images per split, 1 process: "
+              f"{e2e['seconds']:.2f} s (features {e2e['features']:.2f} s, probes {e2e['solve']:.2f} s), peak RSS "
+              f"{e2e['memory'] / 2**30:.2f} GiB; {', '.join(e2e['metrics'])}")
     return 0
+
+
+def loader_corpus(work: Path) -> Path:
+    """loader_bench's sharded corpus (4,000 JPEGs about 500x375 in 20 classes), made once."""
+    from benchmarks.shard_bench import make_corpus
+
+    shards = work / "loader-shards"
+    if not (shards / "dataset.json").exists():
+        make_corpus(work / "corpus", 4000)
+        subprocess.run([sys.executable, "-m", "vitforge", "shard", str(work / "corpus"), str(shards),
+                        "--shard-bytes", "64MiB"], check=True, cwd=REPO, capture_output=True)
+    return shards
 
 
 if __name__ == "__main__":

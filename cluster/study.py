@@ -1,10 +1,14 @@
-"""The ViT paper's central experiment as a command: accuracy against pre-training set size.
+"""The ViT paper's central experiments as commands: accuracy against pre-training set size
+(Figures 3 and 4) and against pre-training compute (Figure 5), ViTs beside BiT ResNets.
 
-A study spec names a launch spec, the training-set subsets (the loader's nested `data.subset`, so
-the smaller sets are inside the larger ones) and the models; `runs` expands it to one training job
-per (model, subset), each its own run under `checkpoint_dir`, launched through `cluster/` (sbatch)
-or locally one after another. `collect` reads every run's final evaluation back into a table and a
-plot, from the runs themselves (local or s3://), so it works whatever launched them.
+A study spec names a launch spec, the models, the training-set subsets (the loader's nested
+`data.subset`, so the smaller sets are inside the larger ones) and, for a compute study, training
+lengths; `runs` expands it to one training job per (model, subset, length), each its own run under
+`checkpoint_dir`, launched through `cluster/` (sbatch) or locally one after another. Every run is
+evaluated at its end by the recipe's evaluators (with eval.probes: few-shot linear top-1, the
+paper's measure). `collect` reads every run's final evaluation back into a table, the numbers and
+two plots (the figure's metric against training samples, and against training FLOPs), from the
+runs themselves (local or s3://), so it works whatever launched them.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import json
 import os
 import re
 import subprocess
+from fnmatch import fnmatch
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +44,14 @@ class StudySpec(Strict):
     checkpoint_dir: str  # the runs go to CHECKPOINT_DIR/NAME-MODEL-SUBSET (local or s3://)
     models: list[str] = Field(min_length=1)
     subsets: list[float | int] = Field(min_length=1)  # data.subset values: fractions (0.1) or counts (5000)
+    steps: list[int] = []  # train.steps values, one run each (a compute study); []: the recipe's
+    # the figures' y: a key of each run's last evaluation (eval_top1, eval_fewshot_pets_5shot); null:
+    # the few-shot top-1 with the most shots when the runs have one, else the held-out top-1
+    metric: str | None = None
     overrides: list[str] = []  # trainer --set KEY=VALUE for every run
+    # trainer --set KEY=VALUE for the models whose name matches a pattern (fnmatch), after `overrides`:
+    # e.g. {"resnetv2_*": [model.pre_logits=false]} where the recipe's ViT settings do not fit a ResNet
+    model_overrides: dict[str, list[str]] = {}
     local_ranks: int = Field(2, ge=1)  # processes per run when launched locally (torchrun)
 
     @field_validator("subsets")
@@ -50,11 +62,19 @@ class StudySpec(Strict):
                 raise ValueError(f"{value!r}: a fraction in (0, 1] or a sample count >= 1")
         return values
 
+    @field_validator("steps")
+    @classmethod
+    def _steps(cls, values):
+        if any(v < 1 for v in values):
+            raise ValueError(f"training lengths must be >= 1 step, not {values}")
+        return values
+
 
 @dataclass(frozen=True)
 class StudyRun:
     model: str
     subset: float | int
+    steps: int | None  # None: the recipe's
     name: str
     url: str
     overrides: list[str]
@@ -65,14 +85,19 @@ def load_study(path: str, overrides: list[str] = ()) -> StudySpec:
 
 
 def runs(study: StudySpec) -> list[StudyRun]:
-    """One run per (model, subset), smallest subset first."""
+    """One run per (model, subset, training length), smallest subset and shortest length first."""
     out = []
     for model in study.models:
         for subset in study.subsets:
-            name = re.sub(r"[^A-Za-z0-9_.-]", "-", f"{study.name}-{model}-{subset}")
-            out.append(StudyRun(model, subset, name, f"{study.checkpoint_dir.rstrip('/')}/{name}",
-                                [*study.overrides, f"model.name={model}", f"data.subset={subset}",
-                                 f"checkpoint.dir={study.checkpoint_dir}", f"checkpoint.run={name}"]))
+            for steps in study.steps or [None]:
+                length = f"-{steps}steps" if steps else ""
+                name = re.sub(r"[^A-Za-z0-9_.-]", "-", f"{study.name}-{model}-{subset}{length}")
+                mine = [item for pattern, items in study.model_overrides.items() if fnmatch(model, pattern)
+                        for item in items]
+                out.append(StudyRun(model, subset, steps, name, f"{study.checkpoint_dir.rstrip('/')}/{name}",
+                                    [*study.overrides, *mine, f"model.name={model}", f"data.subset={subset}",
+                                     *([f"train.steps={steps}"] if steps else []),
+                                     f"checkpoint.dir={study.checkpoint_dir}", f"checkpoint.run={name}"]))
     return out
 
 
@@ -82,6 +107,23 @@ def launch_spec(study: StudySpec, run: StudyRun) -> LaunchSpec:
     # validated again: the study's models and overrides reach the job script like the spec's own values
     return validated({**spec.model_dump(), "name": run.name, "train": train}, LaunchSpec,
                      f"study run {run.name}", StudyError)
+
+
+def check_runs(study: StudySpec) -> None:
+    """Each model's trainer config loads and fits the model (a ViT-only setting on a ResNet, an
+    unknown model, a bad override): one error naming the run, before any job is submitted. One run
+    per model: its other runs differ only in data.subset, train.steps and their names."""
+    from vitforge.trainer import ConfigError, check_model_config, load_config
+
+    for run in {run.model: run for run in runs(study)}.values():
+        spec = launch_spec(study, run)
+        command = trainer_command(spec)
+        overrides = [command[i + 1] for i, arg in enumerate(command) if arg == "--set"]
+        try:
+            cfg = load_config(spec.train.config, overrides)
+            check_model_config(cfg.model, cfg.train.objective)
+        except ConfigError as e:
+            raise StudyError(f"study run {run.name}: {e}") from None
 
 
 def scripts(study: StudySpec) -> list[tuple[StudyRun, LaunchSpec, str]]:
@@ -99,56 +141,83 @@ def run_locally(study: StudySpec, run: StudyRun) -> int:
 
 
 def collect(study: StudySpec) -> list[dict]:
-    """Every run's final evaluation: model, subset, training samples, steps, samples seen, metrics."""
-    rows = []
+    """Every run's final evaluation: model, subset, training samples, steps, samples seen, the
+    training FLOPs (3 x the forward pass's per image x samples seen, torch's FLOP counter on the
+    meta device, as the trainer's MFU counts them), metrics."""
+    from vitforge.trainer import forward_flops
+
+    rows, per_image = [], {}
     for run in runs(study):
         results = RunStore(run.url).results()
-        train = results["config"].get("train", {})
+        config = results["config"]
+        model = config.get("model", {})
+        shape = (model.get("name", run.model), model.get("image_size", 224), results.get("num_classes") or 1000,
+                 config.get("train", {}).get("objective", "classification"))
+        if shape not in per_image:
+            per_image[shape] = 3 * forward_flops(*shape)
+        seen = results["step"] * config.get("train", {}).get("global_batch", 0)
         rows.append({"model": run.model, "subset": run.subset, "run": run.url,
                      "train_samples": results["train_samples"], "step": results["step"],
-                     "samples_seen": results["step"] * train.get("global_batch", 0),
+                     "samples_seen": seen, "train_flops": per_image[shape] * seen,
                      **{k: v for k, v in results.items() if k.startswith("eval_")}})
     return rows
 
 
-def table(rows: list[dict]) -> str:
-    metric = next((k for k in ("eval_top1", "eval_colour_top1") if k in rows[0]), None) if rows else None
-    lines = ["| model | subset | training samples | samples seen | " + (metric or "eval") + " |",
-             "|---|---|---|---|---|"]
+def figure_metric(rows: list[dict], asked: str | None = None) -> str | None:
+    """The metric the table and plots show (StudySpec.metric)."""
+    if asked:
+        return asked
+    keys = dict.fromkeys(k for row in rows for k in row)
+    shots = {k: int(m[1]) for k in keys if (m := re.fullmatch(r"eval_fewshot_.+_(\d+)shot", k))}
+    if shots:
+        return max(shots, key=shots.get)
+    return next((k for k in ("eval_top1", "eval_colour_top1") if k in keys), None)
+
+
+def table(rows: list[dict], metric: str | None) -> str:
+    lines = ["| model | subset | steps | training samples | samples seen | training FLOPs | " + (metric or "eval")
+             + " |", "|---|---|---|---|---|---|---|"]
     for row in rows:
-        value = f"{row[metric]:.4f}" if metric and metric in row else "-"
-        lines.append(f"| {row['model']} | {row['subset']} | {row['train_samples']} | {row['samples_seen']} | {value} |")
+        value = f"{row[metric]:.4f}" if metric and isinstance(row.get(metric), (int, float)) else "-"
+        lines.append(f"| {row['model']} | {row['subset']} | {row['step']} | {row['train_samples']} | "
+                     f"{row['samples_seen']} | {row['train_flops']:.3g} | {value} |")
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: str) -> None:
-    """Held-out top-1 against training-set size, one line per model (the paper's Figure 3/4)."""
+def plot(rows: list[dict], metric: str | None, x: str, path: str) -> None:
+    """`metric` against `x` (train_samples: the paper's Figures 3 and 4; train_flops: its Figure 5),
+    one line per model and training length, log-scaled x."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(5, 4))
-    for model in dict.fromkeys(row["model"] for row in rows):
-        mine = sorted((r for r in rows if r["model"] == model and "eval_top1" in r), key=lambda r: r["train_samples"])
-        ax.plot([r["train_samples"] for r in mine], [r["eval_top1"] for r in mine], marker="o", label=model)
+    # Across sizes, a line per training length; across compute, a line per model.
+    line_of = (lambda r: (r["model"], r["step"])) if x == "train_samples" else (lambda r: (r["model"],))
+    lengths = len({r["step"] for r in rows})
+    for line in dict.fromkeys(map(line_of, rows)):
+        mine = sorted((r for r in rows if line_of(r) == line and metric in r), key=lambda r: r[x])
+        label = line[0] if len(line) == 1 or lengths == 1 else f"{line[0]}, {line[1]} steps"
+        ax.plot([r[x] for r in mine], [r[metric] for r in mine], marker="o", label=label)
     ax.set_xscale("log")
-    ax.set_xlabel("Training samples (pre-training set size)")
-    ax.set_ylabel("Held-out top-1")
+    ax.set_xlabel("Training samples (pre-training set size)" if x == "train_samples" else "Pre-training FLOPs")
+    ax.set_ylabel(metric or "eval")
     ax.legend()
-    ax.set_title("Accuracy against training-set size")
+    ax.set_title("Accuracy against " + ("training-set size" if x == "train_samples" else "pre-training compute"))
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 
-def write_results(rows: list[dict], out: str) -> list[str]:
+def write_results(rows: list[dict], out: str, metric: str | None) -> list[str]:
     os.makedirs(out, exist_ok=True)
-    paths = [os.path.join(out, "data_scale.json"), os.path.join(out, "data_scale.md"),
-             os.path.join(out, "data_scale.png")]
+    paths = [os.path.join(out, name) for name in ("data_scale.json", "data_scale.md", "data_scale.png",
+                                                  "compute.png")]
     with open(paths[0], "w") as f:
         json.dump(rows, f, indent=1)
     with open(paths[1], "w") as f:
-        f.write(table(rows) + "\n")
-    plot(rows, paths[2])
+        f.write(table(rows, metric) + "\n")
+    plot(rows, metric, "train_samples", paths[2])
+    plot(rows, metric, "train_flops", paths[3])
     return paths

@@ -98,6 +98,9 @@ class DatasetIndex:
     index_text: Callable[[int], str] | None = field(default=None, repr=False)
     whole: "DatasetIndex | None" = field(default=None, repr=False)  # for a subset: the dataset it is of
     loaded: dict[int, ShardSamples] = field(default_factory=dict, repr=False)
+    # Samples per class id from dataset.json, for the whole dataset (None for a subset, whose counts
+    # are known only once its samples are read, and for tars made elsewhere): O(classes).
+    class_counts: list[int] | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
         return int(self.shard_samples.sum())
@@ -175,6 +178,7 @@ def load_index(dataset: str) -> DatasetIndex:
     index = DatasetIndex(
         [store.url(s["name"]) for s in shards], np.array([s["samples"] for s in shards], np.int64),
         manifest["num_classes"], labelled=manifest["num_classes"] is not None, classes=manifest.get("classes"),
+        class_counts=manifest.get("class_counts"),
         max_pixels=manifest.get("parameters", {}).get("image", {}).get("max_pixels") or Image.MAX_IMAGE_PIXELS,
         shard_sha256=[s["sha256"] for s in shards], shard_bytes=[s["bytes"] for s in shards],
         index_text=StoredIndexFiles(dataset, tuple(s["index"] for s in shards), store))

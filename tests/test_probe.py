@@ -52,11 +52,16 @@ def test_few_shot_on_a_separable_problem_and_on_random_labels():
     pool_x, pool_y = separable(classes, 40, 64, seed=1)
     test_x, test_y = separable(classes, 100, 64, seed=1)  # same centres (same seed), fresh noise
     test_x = test_x + 0.3 * torch.randn(test_x.shape, generator=torch.Generator().manual_seed(2))
-    shots = torch.from_numpy(choose_shots(pool_y.numpy(), 5, seed=0, num_classes=classes))
+    keys = np.arange(len(pool_y))
+    shots = torch.from_numpy(choose_shots(pool_y.numpy(), keys, 5, seed=0, num_classes=classes))
     result = linear_probe(pool_x[shots], pool_y[shots], test_x, test_y, classes)
     assert result.top1 > 0.95 and result.train_rows == 5 * classes and result.l2 in L2_GRID
-    shuffled = torch.from_numpy(np.random.default_rng(3).permutation(test_y.numpy()))
-    chance = linear_probe(pool_x[shots], pool_y[shots], test_x, shuffled, classes).top1
+    # Labels that mean nothing, for the shots and the test rows alike: about chance.
+    rng = np.random.default_rng(3)
+    noise_y = torch.from_numpy(rng.integers(0, classes, len(pool_y)))
+    noise_shots = torch.from_numpy(choose_shots(noise_y.numpy(), keys, 5, seed=0, num_classes=classes))
+    chance = linear_probe(pool_x[noise_shots], noise_y[noise_shots], test_x,
+                          torch.from_numpy(rng.permutation(test_y.numpy())), classes).top1
     assert abs(chance - 1 / classes) < 0.05  # 1,000 rows: the binomial's sd is 0.0095
 
 
@@ -76,22 +81,36 @@ def test_the_regulariser_choice_is_the_held_out_best_and_deterministic():
 
 
 def test_shots_are_drawn_per_class_from_the_seed_and_nested():
-    labels = np.random.default_rng(0).integers(0, 6, size=300)
-    five = choose_shots(labels, 5, seed=7, num_classes=6)
-    assert np.array_equal(five, choose_shots(labels, 5, seed=7, num_classes=6))
-    assert not np.array_equal(five, choose_shots(labels, 5, seed=8, num_classes=6))
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 6, size=300)
+    keys = rng.integers(-2**63, 2**63 - 1, size=300)  # each sample's key hash
+    five = choose_shots(labels, keys, 5, seed=7, num_classes=6)
+    assert np.array_equal(five, choose_shots(labels, keys, 5, seed=7, num_classes=6))
+    assert not np.array_equal(five, choose_shots(labels, keys, 5, seed=8, num_classes=6))
     assert np.bincount(labels[five], minlength=6).tolist() == [5] * 6
-    two = choose_shots(labels, 2, seed=7, num_classes=6)
+    two = choose_shots(labels, keys, 2, seed=7, num_classes=6)
     for cls in range(6):  # a smaller k is a prefix of a larger one's, class by class
         assert labels[two[2 * cls:2 * cls + 2]].tolist() == [cls, cls]
         assert two[2 * cls:2 * cls + 2].tolist() == five[5 * cls:5 * cls + 2].tolist()
+    # The same samples in another order (another world size's gather) are the same shots.
+    shuffle = rng.permutation(300)
+    assert set(keys[shuffle][choose_shots(labels[shuffle], keys[shuffle], 5, 7, 6)]) == set(keys[five])
+    # A sample missing at one evaluation (it failed to read) changes nothing when it was no shot,
+    # and only its own place when it was one.
+    not_a_shot = next(i for i in range(300) if i not in set(five))
+    kept = np.delete(np.arange(300), not_a_shot)
+    assert set(keys[kept][choose_shots(labels[kept], keys[kept], 5, 7, 6)]) == set(keys[five])
+    kept = np.delete(np.arange(300), five[0])
+    again = set(keys[kept][choose_shots(labels[kept], keys[kept], 5, 7, 6)])
+    assert len(set(keys[five]) - again) == 1 and keys[five[0]] not in again
 
 
 def test_classes_with_too_few_images_are_named_unless_allowed():
     labels = np.array([0] * 10 + [1] * 3 + [2] * 10 + [3] * 1)
+    keys = np.arange(len(labels))
     with pytest.raises(ProbeError, match=r"2 class\(es\) have fewer than 5 images .*cat \(3\), dog \(1\)"):
-        choose_shots(labels, 5, 0, 4, class_names=["ant", "cat", "bee", "dog"])
-    allowed = choose_shots(labels, 5, 0, 4, allow_fewer=True)
+        choose_shots(labels, keys, 5, 0, 4, class_names=["ant", "cat", "bee", "dog"])
+    allowed = choose_shots(labels, keys, 5, 0, 4, allow_fewer=True)
     assert np.bincount(labels[allowed], minlength=4).tolist() == [5, 3, 5, 1]
 
 
@@ -100,11 +119,82 @@ def test_knn_on_a_separable_problem_and_its_bad_inputs():
     test_x, test_y = separable(8, 30, 32, seed=11)
     test_x = test_x + 0.2 * torch.randn(test_x.shape, generator=torch.Generator().manual_seed(4))
     assert knn_top1(x, y, test_x, test_y, 8, k=10) > 0.95
-    assert knn_top1(x[:3], y[:3], test_x, test_y, 8, k=50) <= 3 / 8 + 0.1  # k beyond the rows: all of them vote
+    # The vote is weighted by exp(similarity / 0.07): one near neighbour outweighs two far ones,
+    # where a plain majority would go the other way.
+    near = torch.tensor([[1.0, 0.0]])
+    train_x = torch.tensor([[1.0, 0.05], [0.0, 1.0], [0.05, 1.0]])
+    assert knn_top1(train_x, torch.tensor([0, 1, 1]), near, torch.tensor([0]), 2, k=3) == 1.0
+    # k beyond the rows: every row votes.
+    assert knn_top1(train_x, torch.tensor([0, 1, 1]), near, torch.tensor([0]), 2, k=50) == 1.0
     with pytest.raises(ProbeError, match="kNN needs"):
         knn_top1(x[:0], y[:0], test_x, test_y, 8)
     with pytest.raises(ProbeError, match="no training rows"):
         linear_probe(x[:0], y[:0], test_x, test_y, 8)
+
+
+@pytest.mark.parametrize("objective, pre_logits", [("classification", False), ("classification", True),
+                                                   ("masked_patch_prediction", False)])
+def test_each_objective_gives_the_pre_logits_of_the_model_it_exports(objective, pre_logits):
+    """The features a probe reads: the exported ViT's pooled token (forward_head(pre_logits=True)),
+    through the paper's tanh layer when the model has its pre-training head; the same with the
+    weights handed in instead of the module's own (EMA)."""
+    from vitforge.trainer import build_model, get_objective
+
+    torch.manual_seed(0)
+    model = build_model("vit_tiny_cpu", 7, 32, pre_logits=pre_logits, objective=objective).eval()
+    images = torch.randn(3, 3, 32, 32)
+    vit = get_objective(objective).exported(model)
+    want = vit.forward_head(vit.forward_features(images), pre_logits=True)
+    if pre_logits:
+        want = torch.tanh(vit.head.pre_logits(want))
+    features = get_objective(objective).features
+    torch.testing.assert_close(features(model, images, None), want)
+    halved = {k: v.detach() / 2 for k, v in model.named_parameters()}
+    assert not torch.allclose(features(model, images, halved), want)
+    with torch.no_grad():
+        for p in model.parameters():
+            p /= 2
+    torch.testing.assert_close(features(model, images, halved), features(model, images, None))
+
+
+def test_ema_weights_reach_a_bf16_model_in_its_own_dtype():
+    """DeepSpeed's bf16 module with the EMA's fp32 weights: cast to the module's dtypes, the probe's
+    forward pass runs (fp32 weights on bf16 inputs would fail in the first convolution)."""
+    from vitforge.trainer import build_model, get_objective
+    from vitforge.trainer.train import like_parameters
+
+    model = build_model("vit_tiny_cpu", 7, 32).to(torch.bfloat16).eval()
+    ema = {k: v.detach().float() for k, v in model.named_parameters()}
+    images = torch.randn(2, 3, 32, 32, dtype=torch.bfloat16)
+    features = get_objective("classification").features
+    with pytest.raises(RuntimeError):
+        features(model, images, ema)
+    torch.testing.assert_close(features(model, images, like_parameters(ema, model)), features(model, images, None))
+
+
+def test_probe_datasets_are_checked_when_the_run_starts(data, tmp_path):
+    """A missing split, too few images of a class for the shots (dataset.json's class counts) and
+    mismatched classes are errors naming the probe and the split, before any training step."""
+    import re
+
+    from vitforge.pipeline import LoaderSpec, build_loader
+    from vitforge.trainer import ConfigError
+    from vitforge.trainer.config import EvalConfig
+    from vitforge.trainer.probe_eval import build_probes
+
+    def make(source):
+        return build_loader(LoaderSpec(source, batch_size=8, image_size=32, train=False, backend="torch", workers=0))
+
+    def probes(test, **settings):
+        return EvalConfig(probes={"digits": {"train": str(data / "train"), "test": str(test)}}, **settings)
+
+    nowhere = tmp_path / "nowhere"
+    with pytest.raises(ConfigError, match=re.escape(f"eval.probes.digits.test ({nowhere}): ")):
+        build_probes(probes(nowhere, fewshot=[5]), make)
+    with pytest.raises(ConfigError, match=r"eval.probes.digits.train: 10 class\(es\) have fewer than 50 images"):
+        build_probes(probes(data / "val", fewshot=[5, 50]), make)  # 40 images per class
+    built = build_probes(probes(data / "val", fewshot=[50], allow_fewer=True), make)
+    assert [(p.name, p.num_classes, len(p.classes)) for p in built] == [("digits", 10, 10)]
 
 
 def test_the_product_with_the_signed_targets_is_the_dense_one():

@@ -1,9 +1,11 @@
-"""The data-scale study end to end with tiny sizes: launched locally and through the real SLURM
-fixture, then collected from the runs into a table, numbers and a plot."""
+"""The data-scale and compute studies end to end with tiny sizes: launched locally and through the
+real SLURM fixture, each run probed by the few-shot evaluator at its end, then collected from the
+runs into a table, numbers and two plots; the paper's study specs render."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -11,7 +13,7 @@ from conftest import EXTENSIONS, REPO, vitforge
 from test_cluster import _wait
 
 
-def study_files(data, tmp_path, models: list[str], subsets: list, ranks: int) -> str:
+def study_files(data, tmp_path, models: list[str], subsets: list, ranks: int, steps: list[int] = ()) -> str:
     launch = tmp_path / "launch.yaml"
     launch.write_text(f"""name: study
 nodes: 1
@@ -32,26 +34,38 @@ launch: {launch}
 checkpoint_dir: {tmp_path / 'runs'}
 models: {json.dumps(models)}
 subsets: {json.dumps(subsets)}
+steps: {json.dumps(list(steps))}
 overrides: [data.train={data / 'train'}, data.val={data / 'val'}, train.steps=20, train.eval_every=20,
-            train.checkpoint_every=20, train.log_every=10]
+            train.checkpoint_every=20, train.log_every=10, "eval.fewshot=[1,5]",
+            "eval.probes={{digits: {{train: {data / 'train'}, test: {data / 'val'}}}}}"]
 local_ranks: {ranks}
 """)
     return str(study)
 
 
 def check_collected(tmp_path, study: str, expected: dict) -> None:
+    """`expected`: (model, subset, steps) -> training samples."""
+    from vitforge.trainer import forward_flops
+
     out = tmp_path / "results"
     printed = vitforge("study", "collect", study, "--out", out).stdout
     rows = json.loads((out / "data_scale.json").read_text())
-    assert {(r["model"], r["subset"]): r["train_samples"] for r in rows} == expected
+    assert {(r["model"], r["subset"], r["step"]): r["train_samples"] for r in rows} == expected
+    assert "| eval_fewshot_digits_5shot |" in printed.splitlines()[0]  # the most shots: the figures' metric
     for row in rows:
         metrics = [json.loads(line) for line in (tmp_path / "runs" / row["run"].rsplit("/", 1)[1] /
                                                  "metrics.jsonl").read_text().splitlines()]
-        assert row["eval_top1"] == [m for m in metrics if "eval_top1" in m][-1]["eval_top1"]
-        assert row["step"] == 20 and row["samples_seen"] == 20 * 32 and row["eval_samples"] == 100
-        line = f"| {row['model']} | {row['subset']} | {row['train_samples']} | 640 | {row['eval_top1']:.4f} |"
+        last = [m for m in metrics if "eval_top1" in m][-1]
+        assert row["eval_top1"] == last["eval_top1"] and last["step"] == row["step"]
+        assert row["eval_fewshot_digits_5shot"] == last["eval_fewshot_digits_5shot"]
+        assert row["samples_seen"] == row["step"] * 32 and row["eval_samples"] == 100
+        assert row["train_flops"] == 3 * forward_flops(row["model"], 32, 10) * row["samples_seen"]
+        line = (f"| {row['model']} | {row['subset']} | {row['step']} | {row['train_samples']} | {row['samples_seen']} "
+                f"| {row['train_flops']:.3g} | {row['eval_fewshot_digits_5shot']:.4f} |")
         assert line in printed
-    assert (out / "data_scale.png").stat().st_size > 1000 and (out / "data_scale.md").read_text().startswith("| model")
+    for plot in ("data_scale.png", "compute.png"):
+        assert (out / plot).stat().st_size > 1000
+    assert (out / "data_scale.md").read_text().startswith("| model")
 
 
 def test_a_data_scale_study_runs_locally_and_collects(data, tmp_path):
@@ -59,11 +73,16 @@ def test_a_data_scale_study_runs_locally_and_collects(data, tmp_path):
     scripts = vitforge("study", "data-scale", study, "--dry-run").stdout
     assert scripts.count("#!/bin/bash") == 4 and "--set data.subset=0.25 " in scripts
     assert "--set checkpoint.run=scale-vit_small_cpu-1.0" in scripts
-    # Run across models here, across subsets on SLURM (below): each axis is run and collected once.
-    study = study_files(data, tmp_path, ["vit_tiny_cpu", "vit_small_cpu"], [0.25], ranks=1)
+    compute = study_files(data, tmp_path, ["vit_tiny_cpu"], [0.25], 1, steps=[10, 20])
+    lengths = vitforge("study", "compute", compute, "--dry-run").stdout
+    assert "--set train.steps=10 --set checkpoint.dir=" in lengths
+    assert "--set checkpoint.run=scale-vit_tiny_cpu-0.25-20steps" in lengths
+    # Run across model families here (a ViT beside a BiT ResNet), across subsets on SLURM (below): each
+    # axis is run and collected once.
+    study = study_files(data, tmp_path, ["vit_tiny_cpu", "bit_tiny_cpu"], [0.25], ranks=1)
     result = vitforge("study", "data-scale", study, "--local", env=EXTENSIONS, timeout=900)
     assert result.stdout.count("run scale-") == 2
-    check_collected(tmp_path, study, {("vit_tiny_cpu", 0.25): 100, ("vit_small_cpu", 0.25): 100})
+    check_collected(tmp_path, study, {("vit_tiny_cpu", 0.25, 20): 100, ("bit_tiny_cpu", 0.25, 20): 100})
 
 
 def test_a_data_scale_study_runs_on_slurm_and_collects(data, slurm, monkeypatch, tmp_path):
@@ -75,7 +94,32 @@ def test_a_data_scale_study_runs_on_slurm_and_collects(data, slurm, monkeypatch,
     assert len(jobs) == 2
     for job in jobs:
         assert _wait(job)["state"] == "COMPLETED"
-    check_collected(tmp_path, study, {("vit_tiny_cpu", 100): 100, ("vit_tiny_cpu", 1.0): 400})
+    check_collected(tmp_path, study, {("vit_tiny_cpu", 100, 20): 100, ("vit_tiny_cpu", 1.0, 20): 400})
+
+
+def test_the_paper_studies_render_vits_beside_bit_resnets():
+    data_scale = vitforge("study", "data-scale", "paper_data_scale", "--dry-run").stdout
+    assert data_scale.count("#!/bin/bash") == 6 * 4
+    assert "--set model.name=resnetv2_152x2_bit --set data.subset=0.03 " in data_scale
+    assert "'eval.fewshot=[1,5,10,25]'" in data_scale
+    compute = vitforge("study", "compute", "paper_compute", "--dry-run").stdout
+    assert compute.count("#!/bin/bash") == 7 * 2
+    assert "--set model.name=vit_huge_patch14_224 --set data.subset=1.0 --set train.steps=1025390 " in compute
+
+
+def test_a_run_whose_settings_do_not_fit_its_model_is_refused_before_any_job(data, tmp_path):
+    study = study_files(data, tmp_path, ["vit_tiny_cpu", "bit_tiny_cpu"], [1.0], ranks=1)
+    with open(study, "a") as f:
+        f.write("model_overrides: {vit_*: [model.pre_logits=true]}\n")
+    assert "--set model.pre_logits=true --set model.name=vit_tiny_cpu" in \
+        vitforge("study", "data-scale", study, "--dry-run").stdout
+    with open(study, "a") as f:
+        f.write("metric: eval_top1\n")
+    bad = study.replace(".yaml", "-bad.yaml")
+    Path(bad).write_text(Path(study).read_text().replace("{vit_*: [", "{'*': ["))
+    result = vitforge("study", "data-scale", bad, "--dry-run", check=False)
+    assert result.returncode == 2 and "study run scale-bit_tiny_cpu-1.0: model.pre_logits: bit_tiny_cpu is not a ViT" \
+        in result.stderr and "#!/bin/bash" not in result.stdout
 
 
 def test_bad_study_specs_are_named(tmp_path):

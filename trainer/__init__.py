@@ -9,8 +9,8 @@ from .run_store import RunStore, tag_for
 # torch, timm and DeepSpeed take seconds to import: the modules that import them load on first use,
 # so `vitforge train` with a bad config fails at once (its config is read before `run` is named).
 HEAVY = {"distributed": ("PeerWatch", "check_socket_interfaces"),
-         "model": ("PAPER_PARAMETERS", "PEAK_FLOPS", "TINY_MODELS", "adapt_state_dict", "build_model",
-                   "check_model_name", "forward_flops", "parameter_count"),
+         "model": ("PAPER_PARAMETERS", "PEAK_FLOPS", "TINY_MODELS", "TINY_RESNETS", "adapt_state_dict", "build_model",
+                   "check_model_config", "check_model_name", "forward_flops", "is_vit", "parameter_count"),
          "objective": ("OBJECTIVES", "Objective", "get_objective", "register_objective"),
          "probe": ("L2_GRID", "ProbeError", "ProbeResult", "choose_shots", "knn_top1", "linear_probe"),
          "state": ("RandomState", "RankBound", "Stateful", "StateParts"),
@@ -18,8 +18,9 @@ HEAVY = {"distributed": ("PeerWatch", "check_socket_interfaces"),
 
 __all__ = ["Config", "ConfigError", "L2_GRID", "OBJECTIVES", "Objective", "PAPER_PARAMETERS", "PEAK_FLOPS", "PeerLost",
            "PeerWatch", "ProbeError", "ProbeResult", "RandomState", "RankBound", "Requeue", "RunStore", "StateParts",
-           "Stateful", "TINY_MODELS", "Trainer", "adapt_state_dict", "build_model", "check_model_name",
-           "check_socket_interfaces", "choose_shots", "forward_flops", "get_objective", "knn_top1", "linear_probe",
+           "Stateful", "TINY_MODELS", "TINY_RESNETS", "Trainer", "adapt_state_dict", "build_model",
+           "check_model_config", "check_model_name", "check_socket_interfaces", "choose_shots", "forward_flops",
+           "get_objective", "is_vit", "knn_top1", "linear_probe",
            "load_config", "parameter_count", "register_objective", "run", "run_eval", "tag_for"]
 
 

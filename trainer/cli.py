@@ -1,4 +1,5 @@
-"""`vitforge train CONFIG`, `vitforge eval CONFIG --checkpoint URL`: run in every process of the job.
+"""`vitforge train CONFIG`, `vitforge eval CONFIG --checkpoint URL [--fewshot 1,5,10,25]`: run in every
+process of the job.
 
 One process: `vitforge train tiny_cpu`. Several: `torchrun --nproc_per_node 2 -m vitforge train tiny_cpu`,
 the `deepspeed` launcher, or `srun` (SLURM's variables are mapped to RANK/WORLD_SIZE/...).
@@ -26,13 +27,24 @@ def _parser(prog: str, evaluate: bool) -> argparse.ArgumentParser:
         p.add_argument("--checkpoint", required=True,
                        help="a run (DIR/RUN: its newest complete checkpoint) or one checkpoint (DIR/RUN/step_N), "
                             "local or s3://; the model and class map come from its manifest")
+        p.add_argument("--fewshot", metavar="K,K,...", type=_shots,
+                       help="linear few-shot top-1 on eval.probes with K images per class, e.g. 1,5,10,25 "
+                            "(sets eval.fewshot); with no data.val, only the probes run")
     return p
+
+
+def _shots(text: str) -> list[int]:
+    try:
+        return [int(k) for k in text.split(",") if k.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected shots per class like 1,5,10,25") from None
 
 
 def main(argv: list[str], evaluate: bool = False) -> int:
     args = _parser("vitforge eval" if evaluate else "vitforge train", evaluate).parse_args(argv)
     setup_logging()
-    cfg = load_config(args.config, args.overrides)
+    overrides = args.overrides + ([f"eval.fewshot={args.fewshot}"] if getattr(args, "fewshot", None) else [])
+    cfg = load_config(args.config, overrides)
     if evaluate:
         from .train import run_eval
 

@@ -6,6 +6,7 @@ checked once, here, with a message that shows the numbers.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -108,17 +109,28 @@ class OptimizerConfig(Strict):
     momentum: float = 0.9
     """SGD's momentum."""
     weight_decay: float = Field(0.1, ge=0)
-    """Decoupled weight decay; never on norms, biases, position embeddings or the class token."""
+    """Weight decay: decoupled with AdamW, the L2 term added to the gradient with SGD (as BiT's);
+    never on norms, biases, position embeddings or the class token."""
     warmup_steps: int = Field(10_000, ge=0)
     """Linear warm-up to lr over this many steps."""
-    schedule: Literal["linear", "cosine", "constant"] = "linear"
-    """Decay from lr to min_lr at train.steps after the warm-up."""
+    schedule: Literal["linear", "cosine", "constant", "step"] = "linear"
+    """Decay from lr to min_lr at train.steps after the warm-up; step: x0.1 at each of decay_at (BiT's)."""
+    decay_at: tuple[float, ...] = (0.3, 0.6, 0.9)
+    """The step schedule's decays, as fractions of train.steps, ascending (BiT-HyperRule's 30/60/90%;
+    BiT's ImageNet pre-training: epochs 30, 60, 80 of 90). min_lr plays no part in it."""
     min_lr: float = Field(0.0, ge=0)
     """Learning rate at the last step."""
     grad_clip: float = Field(1.0, ge=0)
     """Global gradient-norm clipping; 0: off."""
     fused: Switch = "auto"
     """AdamW's fused kernel (one launch for all parameters): auto = on CUDA; "on" also works on a CPU."""
+
+    @field_validator("decay_at")
+    @classmethod
+    def _fractions(cls, value: tuple[float, ...]) -> tuple[float, ...]:
+        if not all(a < b for a, b in zip((0, *value), (*value, 1))):
+            raise ValueError("decay_at must be ascending fractions of train.steps, each in (0, 1)")
+        return value
 
 
 class TrainConfig(Strict):
@@ -146,7 +158,7 @@ class TrainConfig(Strict):
     ema_decay: float | None = Field(None, gt=0, lt=1)
     """Polyak averaging of the weights, e.g. 0.9999 for fine-tuning; null: off. ZeRO <= 2."""
     eval_every: int = Field(1000, ge=1)
-    """Steps between evaluations on data.val (and one at the end)."""
+    """Steps between evaluations (and one at the end): data.val's metrics and eval.probes'."""
     log_every: int = Field(10, ge=1)
     """Steps between metrics lines (metrics.jsonl, TensorBoard, the log)."""
     checkpoint_every: int | None = Field(1000, ge=1)
@@ -227,6 +239,74 @@ class CheckpointConfig(Strict):
         return f"{self.dir.rstrip('/')}/{self.run}"
 
 
+class ProbeData(Strict):
+    """One probe dataset: labelled shards (the forms data.train takes) for its two splits."""
+
+    train: str
+    """The split the shots (few-shot), the neighbours (kNN) and the all-data probe's rows come from."""
+    test: str
+    """The split the probes are scored on."""
+
+
+class EvalConfig(Strict):
+    """Evaluators of the frozen representation, run every eval.every steps of a training run (and
+    at its end), and by `vitforge eval`: the pre-logits features of every image of each probe
+    dataset, then closed-form linear probes and kNN on them."""
+
+    probes: dict[str, ProbeData] = {}
+    """Probe datasets by name, e.g. {pets: {train: s3://b/pets-train, test: s3://b/pets-test}}."""
+    every: int | None = Field(None, ge=1)
+    """Steps between the probes (they also run at the end); null: train.eval_every."""
+    fewshot: list[int] = []
+    """Linear few-shot top-1 for these shots per class (the ViT paper's: [1, 5, 10, 25]); []: off."""
+    knn: int | None = None
+    """kNN top-1 with this many neighbours (cosine similarity; 20 is DINO's); null: off."""
+    linear: bool = False
+    """Linear probe on every row of each probe's train split."""
+    seed: int = Field(0, ge=0)
+    """Draws the shots: the same images at every evaluation of a run, at any world size."""
+    allow_fewer: bool = False
+    """A class with fewer images than the shots asked for gives all it has, instead of an error."""
+
+    @field_validator("fewshot")
+    @classmethod
+    def _shots(cls, value: list[int]) -> list[int]:
+        if any(k < 1 for k in value):
+            raise ValueError(f"shots per class must be >= 1, not {value}")
+        return sorted(set(value))
+
+    @field_validator("knn")
+    @classmethod
+    def _neighbours(cls, value: int | None) -> int | None:
+        if value is not None and value < 1:
+            raise ValueError(f"knn must be >= 1 neighbours, or null, not {value}")
+        return value
+
+    @field_validator("probes")
+    @classmethod
+    def _probe_names(cls, value: dict) -> dict:
+        bad = [name for name in value if not re.fullmatch(r"[A-Za-z0-9_]+", name)]
+        if bad:
+            raise ValueError(f"probe names become metric names (eval_fewshot_NAME_5shot): letters, digits and _ "
+                             f"only, not {bad[0]!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _probes_for_evaluators(self):
+        asked = [name for name, on in (("fewshot", self.fewshot), ("knn", self.knn), ("linear", self.linear)) if on]
+        if asked and not self.probes:
+            raise ValueError(f"eval.{asked[0]} needs eval.probes: datasets to probe, e.g. "
+                             "{pets: {train: DIR/pets-train, test: DIR/pets-test}}")
+        if self.probes and not asked:
+            raise ValueError("eval.probes is set but no evaluator is on: set eval.fewshot (e.g. [1, 5, 10, 25]), "
+                             "eval.knn or eval.linear")
+        return self
+
+    @property
+    def probing(self) -> bool:
+        return bool(self.probes) and bool(self.fewshot or self.knn or self.linear)
+
+
 class Config(Strict):
     model: ModelConfig = ModelConfig()
     data: DataConfig
@@ -234,6 +314,7 @@ class Config(Strict):
     optimizer: OptimizerConfig = OptimizerConfig()
     train: TrainConfig
     checkpoint: CheckpointConfig = CheckpointConfig()
+    eval: EvalConfig = EvalConfig()
     deepspeed: dict = {}
     """Any DeepSpeed config keys, merged last over the generated config (e.g. {zero_optimization:
     {reduce_bucket_size: 500000000}})."""

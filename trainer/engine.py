@@ -74,13 +74,16 @@ def set_tf32(device: torch.device, enabled: bool) -> None:
 
 
 def learning_rate(cfg: Config, step: int) -> float:
-    """Linear warmup to the peak, then linear or cosine decay to min_lr at the last step: a pure
-    function of the step, so resuming needs no scheduler state."""
+    """Linear warmup to the peak, then linear or cosine decay to min_lr at the last step, or BiT's
+    staircase (x0.1 from each decay_at fraction of the steps on): a pure function of the step, so
+    resuming needs no scheduler state."""
     opt, total = cfg.optimizer, cfg.train.steps
     if step < opt.warmup_steps:
         return opt.lr * (step + 1) / opt.warmup_steps
     if opt.schedule == "constant":
         return opt.lr
+    if opt.schedule == "step":
+        return opt.lr * 0.1 ** sum(step >= fraction * total for fraction in opt.decay_at)
     progress = min((step - opt.warmup_steps) / max(total - opt.warmup_steps, 1), 1.0)
     shape = 1 - progress if opt.schedule == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
     return opt.min_lr + (opt.lr - opt.min_lr) * shape

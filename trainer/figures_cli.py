@@ -19,7 +19,9 @@ from vitforge.core import setup_logging
 from vitforge.core.cli_args import positive_int
 from vitforge.pipeline import IMAGENET_MEAN, IMAGENET_STD, LoaderSpec, build_loader
 
+from .config import ConfigError
 from .export import consolidate, trained_model
+from .model import is_vit
 from .figures import compute, write_figures
 from .objective import get_objective, saved_objective
 
@@ -37,6 +39,9 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="vitforge-inspect-") as scratch:
         weights = consolidate(args.checkpoint, scratch)
     saved = weights.manifest.get("config", {}).get("model", {})
+    if not is_vit(saved.get("name", "")):
+        raise ConfigError(f"{weights.url}: {saved.get('name')} is not a ViT: the paper's figures read position "
+                          "embeddings, patch-embedding filters and attention, which a ResNet does not have")
     # the figures are those of what an export holds: the ViT (a masked-patch model's encoder)
     model = get_objective(saved_objective(weights.manifest)).exported(trained_model(weights))
 

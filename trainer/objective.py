@@ -131,6 +131,40 @@ def encoder(model: torch.nn.Module) -> torch.nn.Module:
     return model.vit
 
 
+def classifier_features(model: torch.nn.Module, images: torch.Tensor, params: dict | None) -> torch.Tensor:
+    """The pre-logits features: what the last classifier layer reads (the paper's tanh
+    representation with its pre-training head; the pooled, normalised token with a linear head;
+    a ResNet's pooled map), caught by a hook on a full forward pass, so that ZeRO-3 gathers each
+    layer's parameters as it always does."""
+    head = model.get_classifier()
+    head = getattr(head, "fc", head)  # the paper's head: its classifier reads the tanh layer
+    caught = []
+    hook = head.register_forward_pre_hook(lambda module, args: caught.append(args[0]))
+    try:
+        torch.func.functional_call(model, params, (images,)) if params else model(images)
+    finally:
+        hook.remove()
+    return caught[0].flatten(1)
+
+
+def encoder_features(model: torch.nn.Module, images: torch.Tensor, params: dict | None) -> torch.Tensor:
+    """The encoder's pooled token (as the exported ViT would give it), from a forward pass of the
+    whole model with no patch corrupted: the root module's own forward, as ZeRO-3's parameter
+    fetching expects, with the encoder's output caught by a hook."""
+    vit = model.vit
+    patches = math.prod(vit.patch_embed.grid_size)
+    action = torch.full((len(images), patches), UNTOUCHED, dtype=torch.long, device=images.device)
+    source = torch.arange(patches, device=images.device).expand(len(images), -1)
+    caught = []
+    hook = vit.norm.register_forward_hook(lambda module, args, output: caught.append(output))
+    try:
+        inputs = (images, action, source)
+        torch.func.functional_call(model, params, inputs) if params else model(*inputs)
+    finally:
+        hook.remove()
+    return vit.forward_head(caught[0], pre_logits=True)
+
+
 def per_patch(function: Callable) -> Callable:
     """A per-image function applied to every patch: (batch, patches, classes) logits, (batch, patches) targets."""
     return lambda logits, targets: function(logits.flatten(0, 1), targets.flatten())
@@ -158,8 +192,12 @@ class Objective:
     # model's parameters are the objective's own pre-training head
     exported: Callable[[torch.nn.Module], torch.nn.Module]
     labelled: bool  # learns from class labels: refuses data sharded without them
+    # (the model, images, weights to use instead of its own or None) -> (images, width) frozen
+    # pre-logits features, for the probes
+    features: Callable[[torch.nn.Module, torch.Tensor, dict | None], torch.Tensor]
     # the whole Config -> None, or a ValueError naming the settings this objective cannot use
     check_config: Callable[[object], None] = no_check
+    vit_only: bool = False  # works on a ViT's patches: a BiT ResNet is refused (model.check_model_config)
 
 
 OBJECTIVES: dict[str, Objective] = {}
@@ -190,7 +228,9 @@ def check_config(cfg) -> None:
 
 
 register_objective(Objective("classification", classifier, image_only, classification_inputs, masked_loss,
-                             classification_counts, classification_metrics, whole_model, labelled=True))
+                             classification_counts, classification_metrics, whole_model, labelled=True,
+                             features=classifier_features))
 register_objective(Objective("masked_patch_prediction", masked_patch_model, image_and_plan, masked_patch_inputs,
                              per_patch(masked_loss), per_patch(classification_counts), masked_patch_metrics,
-                             encoder, labelled=False, check_config=refuse_classification_settings))
+                             encoder, labelled=False, features=encoder_features,
+                             check_config=refuse_classification_settings, vit_only=True))

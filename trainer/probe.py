@@ -17,7 +17,7 @@ Cost, for n training rows, d features, K classes, m = min(n, d): the solve holds
 copies of X (16nd bytes: the whitened rows, then with the bias column), the eigenvectors (8m^2) and
 Q^T X^T Y or Q^T Y (8mK); test rows are scored TEST_CHUNK at a time (4 TEST_CHUNK (d + K) bytes).
 1,000 classes x 25 shots at ViT-H/14's width (d = 1,280): 0.48 GiB at peak above the features for
-one regulariser, 0.64 GiB with the grid's held-out fit (benchmarks/fewshot_bench.py). kNN holds
+one regulariser, 0.53-0.64 GiB with the grid's held-out fit (benchmarks/fewshot_bench.py). kNN holds
 KNN_CHUNK x n similarities at a time (4 KNN_CHUNK n bytes).
 """
 
@@ -142,25 +142,36 @@ def linear_probe(train_x: torch.Tensor, train_y: torch.Tensor, test_x: torch.Ten
     return ProbeResult(top1(cache, cache.weights(l2), test_x, test_y), l2, len(train_y))
 
 
-def choose_shots(labels: np.ndarray, shots: int, seed: int, num_classes: int, allow_fewer: bool = False,
-                 class_names: list[str] | None = None) -> np.ndarray:
-    """Row numbers of `shots` rows per class: each class's rows in an order drawn from `seed`, the
-    first `shots` of it, so a smaller k takes a prefix of a larger one's (as big_vision draws them).
-    Depends on the labels' order only (the dataset's), never on the world size. Classes with fewer
-    rows are an error naming them, unless `allow_fewer` (then all their rows)."""
-    rng = np.random.default_rng(seed)
-    chosen, short = [], []
-    for cls in range(num_classes):
-        rows = rng.permutation(np.flatnonzero(labels == cls))
-        if len(rows) < shots:
-            short.append((cls, len(rows)))
-        chosen.append(rows[:shots])
+def choose_shots(labels: np.ndarray, keys: np.ndarray, shots: int, seed: int, num_classes: int,
+                 allow_fewer: bool = False, class_names: list[str] | None = None) -> np.ndarray:
+    """Row numbers of `shots` rows per class: the rows whose hash of (sample key, seed) is smallest
+    in their class. A smaller k is a prefix of a larger one's (as big_vision draws them), and the
+    draw depends on each sample's key alone: rows that are missing at one evaluation (a sample
+    that failed to read) change no other class's shots, nor its own unless it was one. `keys`:
+    int64 per row, a hash of the sample's key. Classes with fewer rows are an error naming them,
+    unless `allow_fewer` (then all their rows)."""
+    rank = key_rank(keys, seed)
+    order = np.lexsort((rank, labels))  # by class, then by rank
+    ordered = labels[order]
+    starts = np.searchsorted(ordered, np.arange(num_classes))
+    counts = np.searchsorted(ordered, np.arange(num_classes), side="right") - starts
+    short = [(cls, int(n)) for cls, n in enumerate(counts) if n < shots]
     if short and not allow_fewer:
         named = ", ".join(f"{class_names[c] if class_names else c} ({n})" for c, n in short[:10])
         more = f" and {len(short) - 10} more" if len(short) > 10 else ""
         raise ProbeError(f"{len(short)} class(es) have fewer than {shots} images to draw shots from: {named}{more} "
-                         "(set allow_fewer to use what they have)")
-    return np.concatenate(chosen) if chosen else np.empty(0, np.int64)
+                         "(set eval.allow_fewer to use what they have)")
+    return np.concatenate([order[start:start + min(shots, n)] for start, n in zip(starts, counts)]
+                          or [np.empty(0, np.int64)])
+
+
+def key_rank(keys: np.ndarray, seed: int) -> np.ndarray:
+    """A uint64 per key, as if drawn at random for this seed (splitmix64's finaliser of key ^ seed)."""
+    with np.errstate(over="ignore"):
+        z = keys.astype(np.int64).view(np.uint64) ^ np.uint64((seed * 0x9E3779B97F4A7C15) % 2**64)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
 
 
 def knn_top1(train_x: torch.Tensor, train_y: torch.Tensor, test_x: torch.Tensor, test_y: torch.Tensor,

@@ -121,7 +121,8 @@ class RunStore:
             lines = []
         evals = [line for line in lines if any(key.startswith("eval_") for key in line)]
         return {"step": manifest["step"], "train_samples": manifest.get("train_samples"),
-                "config": manifest.get("config", {}), **(evals[-1] if evals else {})}
+                "num_classes": manifest.get("num_classes"), "config": manifest.get("config", {}),
+                **(evals[-1] if evals else {})}
 
     def candidates(self, resume: str | int) -> list[str]:
         """Tags to try, best first: for "auto" every complete one, newest first; else just the one asked for."""

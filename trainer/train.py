@@ -29,10 +29,11 @@ from .distributed import PeerWatch, agree_keeping, all_ok, broadcast_state, dete
 from .engine import build_engine, learning_rate, set_tf32
 from .export import check_fits, consolidate, consolidate_on_rank0, load_broadcast
 from .metrics import MetricsLog
-from .model import PEAK_FLOPS, adapt_state_dict, build_model, check_model_name, forward_flops
+from .model import PEAK_FLOPS, adapt_state_dict, build_model, check_model_config, forward_flops
 from .mixing import Mixing, mix_batch
 from .objective import OBJECTIVES, Objective, get_objective, saved_objective
 from .preemption import StopRequest
+from .probe_eval import ProbeSet, build_probes, run_probes
 from .run_store import METRICS, tag_for
 from .state import RandomState, StateParts
 
@@ -143,11 +144,12 @@ def evaluate(model: torch.nn.Module, loader, objective: Objective, device: torch
 class Trainer:
     def __init__(self, cfg: Config, env, device, engine, train_loader, val_loader, objective: Objective,
                  checkpointer: Checkpointer, metrics: MetricsLog, ema: EMA | None, manifest_extra: dict,
-                 stop: StopRequest):
+                 stop: StopRequest, probes: list[ProbeSet] = ()):
         self.cfg, self.env, self.device = cfg, env, device
         self.engine, self.train_loader, self.val_loader = engine, train_loader, val_loader
         self.objective, self.checkpointer, self.metrics, self.ema = objective, checkpointer, metrics, ema
         self.manifest_extra = manifest_extra
+        self.probes = list(probes)
         self.state = TrainState()
         self.accumulation = cfg.accumulation(env.world_size)
         self.end = min(cfg.train.steps, cfg.train.stop_at or cfg.train.steps)
@@ -219,10 +221,12 @@ class Trainer:
             self.ema.update(self.engine.module)
         if step % cfg.train.log_every == 0 or step == self.end:
             self.last = self.log_step()
-        if self.val_loader is not None and (step % cfg.train.eval_every == 0 or step == self.end):
-            self.last.update(evaluate(self.engine.module, self.val_loader, self.objective, self.device,
-                                      self.ema.weights if self.ema else None, cfg.data.seed))
-            self.metrics.write(step, {k: v for k, v in self.last.items() if k.startswith("eval")})
+        val = self.val_loader is not None and (step % cfg.train.eval_every == 0 or step == self.end)
+        probes = bool(self.probes) and (step % (cfg.eval.every or cfg.train.eval_every) == 0 or step == self.end)
+        if val or probes:
+            results = self.evaluate(val, probes)
+            self.last.update(results)
+            self.metrics.write(step, results)
         due = (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0) or timed or step == self.end
         if stop_reason:
             self.save(wait=True)
@@ -233,6 +237,20 @@ class Trainer:
         if due:
             self.save(wait=step == self.end)
         return step >= self.end
+
+    def evaluate(self, val: bool = True, probes: bool = True) -> dict:
+        """data.val's metrics and the probes' (those asked for), with the EMA weights when there are some."""
+        weights = like_parameters(self.ema.weights, self.engine.module) if self.ema else None
+        out = {}
+        if val and self.val_loader is not None:
+            out.update(evaluate(self.engine.module, self.val_loader, self.objective, self.device, weights,
+                                self.cfg.data.seed))
+        if probes and self.probes:
+            started = time.perf_counter()
+            out.update(run_probes(self.engine.module, self.probes, self.objective, self.cfg.eval, self.device,
+                                  weights))
+            out["eval_probe_seconds"] = time.perf_counter() - started
+        return out
 
     def agree_on_step(self) -> tuple[str | None, bool, bool]:
         """One small all-reduce per step: does any rank want to stop (signal, time budget), is the
@@ -308,6 +326,14 @@ class Trainer:
         return values
 
 
+def like_parameters(weights: dict, module: torch.nn.Module) -> dict:
+    """The EMA's fp32 weights in the module's own dtypes (bf16 under DeepSpeed's bf16), for a
+    forward pass with them: one copy of the weights while it runs (EMA needs ZeRO <= 2: the
+    weights are whole on every rank anyway)."""
+    dtypes = {name: p.dtype for name, p in module.named_parameters()}
+    return {name: value.to(dtypes[name]) for name, value in weights.items()}
+
+
 def _max_rss_bytes() -> int:
     import resource
 
@@ -317,7 +343,7 @@ def _max_rss_bytes() -> int:
 # -- entry points ----------------------------------------------------------------------------
 def run(cfg: Config) -> dict:
     """Train on every rank of the job."""
-    check_model_name(cfg.model.name)
+    check_model_config(cfg.model, cfg.train.objective)
     env = detect_env()
     cfg.accumulation(env.world_size)  # batch arithmetic checked before anything is built
     # Handlers in place before anything slow; the CLI holds the signals until start-up is over
@@ -382,6 +408,8 @@ def _build(cfg: Config, env, device, stop: StopRequest) -> tuple[Trainer, Checkp
     train_loader = build_data_loader(cfg, cfg.data.train, True, env, device)
     index = train_loader.index
     val_loader = build_data_loader(cfg, cfg.data.val, False, env, device) if cfg.data.val else None
+    probes = build_probes(cfg.eval, lambda source: build_data_loader(cfg, source, False, env, device)) \
+        if cfg.eval.probing else []
     num_classes = cfg.model.num_classes or (index.num_classes if index else None)
     objective = get_objective(cfg.train.objective)
     _check_labelled(objective, train_loader, val_loader)
@@ -421,7 +449,7 @@ def _build(cfg: Config, env, device, stop: StopRequest) -> tuple[Trainer, Checkp
                       checkpointer, metrics, ema, {"config": cfg.model_dump(mode="json"), "num_classes": num_classes,
                                                    "train_samples": train_loader.num_samples,
                                                    "classes": getattr(index, "classes", None),
-                                                   "objective": cfg.train.objective}, stop)
+                                                   "objective": cfg.train.objective}, stop, probes)
     metrics.open()
     if restored is not None:
         trainer.state.step = restored.step
@@ -431,8 +459,13 @@ def _build(cfg: Config, env, device, stop: StopRequest) -> tuple[Trainer, Checkp
         metrics.resume_at(0, None)
     # Each rank reads its shards' index files now, not at its first batch: a bad one ends every
     # rank with its error instead of leaving the others in the next collective.
-    all_ok(lambda: [loader.prepare() for loader in (train_loader, val_loader) if loader is not None])
+    all_ok(lambda: [loader.prepare() for loader in (train_loader, val_loader, *_probe_loaders(probes))
+                    if loader is not None])
     return trainer, checkpointer
+
+
+def _probe_loaders(probes: list[ProbeSet]) -> list:
+    return [loader for probe in probes for loader in (probe.train, probe.test)]
 
 
 def _check_labelled(objective: Objective, *loaders) -> None:
@@ -531,8 +564,9 @@ def _set_fp32_master(param: torch.nn.Parameter, value: torch.Tensor, zero3: bool
 def run_eval(cfg: Config, checkpoint_url: str, model_overrides: set[str]) -> dict:
     """Evaluate a checkpoint on data.val: the model and class map come from its manifest (keys
     set with --set model.X win), the training data is never touched."""
-    if not cfg.data.val:
-        raise ConfigError("data.val is not set: nothing to evaluate on (--set data.val=...)")
+    if not cfg.data.val and not cfg.eval.probing:
+        raise ConfigError("data.val is not set and eval.probes has no evaluator: nothing to evaluate on "
+                          "(--set data.val=..., or eval.probes with --fewshot)")
     env = detect_env()
     device = init_distributed(env, cfg.train.collective_timeout_s)
     set_tf32(device, cfg.train.tf32)
@@ -543,19 +577,25 @@ def run_eval(cfg: Config, checkpoint_url: str, model_overrides: set[str]) -> dic
             saved = weights.manifest.get("config", {}).get("model", {})
             model_cfg = cfg.model.model_copy(update={k: v for k, v in saved.items() if k not in model_overrides})
             num_classes = model_cfg.num_classes or weights.manifest.get("num_classes")
-            check_model_name(model_cfg.name)
+            check_model_config(model_cfg, saved_objective(weights.manifest))
             eval_cfg = cfg.model_copy(update={"model": model_cfg})
-            val_loader = build_data_loader(eval_cfg, cfg.data.val, False, env, device)
-            all_ok(val_loader.prepare)
-            _check_classes(weights.manifest.get("classes"), getattr(val_loader.index, "classes", None))
+            val_loader = build_data_loader(eval_cfg, cfg.data.val, False, env, device) if cfg.data.val else None
+            probes = build_probes(cfg.eval, lambda source: build_data_loader(eval_cfg, source, False, env, device)) \
+                if cfg.eval.probing else []
+            all_ok(lambda: [loader.prepare() for loader in (val_loader, *_probe_loaders(probes)) if loader is not None])
             objective = get_objective(saved_objective(weights.manifest))
-            _check_labelled(objective, val_loader)
+            if val_loader is not None:
+                _check_classes(weights.manifest.get("classes"), getattr(val_loader.index, "classes", None))
+                _check_labelled(objective, val_loader)
             model = build_model(model_cfg.name, num_classes, model_cfg.image_size, pre_logits=model_cfg.pre_logits,
                                 objective=objective.name).to(device)
             load_broadcast(model, state, weights.url, device)
             del state
-            result = {"checkpoint": weights.url, "weights": weights.weights,
-                      **evaluate(model, val_loader, objective, device, seed=cfg.data.seed)}
+            result = {"checkpoint": weights.url, "weights": weights.weights}
+            if val_loader is not None:
+                result.update(evaluate(model, val_loader, objective, device, seed=cfg.data.seed))
+            if probes:
+                result.update(run_probes(model, probes, objective, cfg.eval, device))
         ok = True
         return result
     finally:
