@@ -169,9 +169,23 @@ def render_merge(spec: LaunchSpec) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render(spec: LaunchSpec) -> str:
+def _command(spec: LaunchSpec, tasks: list[LaunchSpec] | None, srun: list[str]) -> list[str]:
+    if not tasks:
+        return [f"{shlex.join(srun)} \\\n    {shlex.join(trainer_command(spec) if spec.train else eval_command(spec))}"]
+    cases = [f"    {i}) command=({shlex.join(trainer_command(task))}) ;;" for i, task in enumerate(tasks)]
+    return ["# This array task's run (SLURM_ARRAY_TASK_ID); a task's requeue restarts this task alone.",
+            'case "${SLURM_ARRAY_TASK_ID:?}" in', *cases,
+            f'    *) echo "vitforge: no run for array task $SLURM_ARRAY_TASK_ID" >&2; exit {errors.USAGE} ;;', "esac",
+            f'{shlex.join(srun)} "${{command[@]}}"']
+
+
+def render(spec: LaunchSpec, tasks: list[LaunchSpec] | None = None) -> str:
+    """The sbatch script of a training or eval spec. `tasks`: a job array, one task per spec, which
+    share `spec`'s resources and differ only in the trainer's command (a study's runs); each task
+    requeues on its own."""
     if spec.shard is not None:
         return render_shard_array(spec)
+    array = [f"--array=0-{len(tasks) - 1}"] if tasks else []
     directives = [
         _option("job-name", spec.name), f"--nodes={spec.nodes}", f"--ntasks-per-node={spec.ntasks_per_node}",
         f"--cpus-per-task={spec.cpus_per_task}", _option("time", spec.time),
@@ -180,7 +194,7 @@ def render(spec: LaunchSpec) -> str:
         *_allocation(spec),
         # An eval has nothing to save: no pre-limit signal, which would only kill it.
         "--requeue", *([f"--signal=USR1@{spec.signal_lead_s}"] if spec.train else []), "--open-mode=append",
-        _log(spec.log_dir, "%x-%j.out"),
+        *array, _log(spec.log_dir, "%x-%A_%a.out" if tasks else "%x-%j.out"),
     ]
     srun = ["srun", "--kill-on-bad-exit=1", f"--ntasks-per-node={spec.ntasks_per_node}"]
     if spec.container:
@@ -205,7 +219,7 @@ def render(spec: LaunchSpec) -> str:
         "# its exit code to VITFORGE_EXIT_FILE: srun reports a killed straggler's code, not the trainer's.",
         f'export VITFORGE_EXIT_FILE={shlex.quote(f"{spec.log_dir}/.exit-")}"$SLURM_JOB_ID-${{SLURM_RESTART_COUNT:-0}}"',
         'rm -f "$VITFORGE_EXIT_FILE"',
-        f"{shlex.join(srun)} \\\n    {shlex.join(trainer_command(spec) if spec.train else eval_command(spec))}",
+        *_command(spec, tasks, srun),
         "code=$?",
         '[ -s "$VITFORGE_EXIT_FILE" ] && code=$(cat "$VITFORGE_EXIT_FILE") && rm -f "$VITFORGE_EXIT_FILE"',
         "",

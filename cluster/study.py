@@ -4,11 +4,12 @@
 A study spec names a launch spec, the models, the training-set subsets (the loader's nested
 `data.subset`, so the smaller sets are inside the larger ones) and, for a compute study, training
 lengths; `runs` expands it to one training job per (model, subset, length), each its own run under
-`checkpoint_dir`, launched through `cluster/` (sbatch) or locally one after another. Every run is
-evaluated at its end by the recipe's evaluators (with eval.probes: few-shot linear top-1, the
-paper's measure). `collect` reads every run's final evaluation back into a table, the numbers and
-two plots (the figure's metric against training samples, and against training FLOPs), from the
-runs themselves (local or s3://), so it works whatever launched them.
+`checkpoint_dir`, launched through `cluster/` (one SLURM job array, a task per run) or locally one
+after another. Every run is evaluated at its end by the recipe's evaluators (with eval.probes:
+few-shot linear top-1, the paper's measure). `collect` reads every run's final evaluation back
+into a table, the numbers and two plots (the figure's metric against training samples, and
+against training FLOPs), from the runs themselves (local or s3://), so it works whatever launched
+them.
 """
 
 from __future__ import annotations
@@ -126,10 +127,12 @@ def check_runs(study: StudySpec) -> None:
             raise StudyError(f"study run {run.name}: {e}") from None
 
 
-def scripts(study: StudySpec) -> list[tuple[StudyRun, LaunchSpec, str]]:
-    """Each run, its launch spec and its sbatch script."""
-    specs = [(run, launch_spec(study, run)) for run in runs(study)]
-    return [(run, spec, render(spec)) for run, spec in specs]
+def array_script(study: StudySpec) -> tuple[LaunchSpec, str]:
+    """The study as one SLURM job array, task i running runs(study)[i] with the launch spec's
+    resources (each task requeued on its own): the job's spec and its sbatch script."""
+    tasks = [launch_spec(study, run) for run in runs(study)]
+    spec = tasks[0].model_copy(update={"name": study.name})
+    return spec, render(spec, tasks)
 
 
 def run_locally(study: StudySpec, run: StudyRun) -> int:

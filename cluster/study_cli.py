@@ -2,10 +2,10 @@
 data-scale and compute experiments (accuracy against pre-training set size, and against
 pre-training FLOPs, one line per model: ViTs beside BiT ResNets).
 
-  vitforge study data-scale my_study.yaml             one sbatch job per (model, subset, length)
+  vitforge study data-scale my_study.yaml             one SLURM job array: a task per (model, subset, length)
   vitforge study compute my_study.yaml                the same (a spec with several `steps`)
   vitforge study data-scale my_study.yaml --local     the runs here, one after another (torchrun)
-  vitforge study data-scale my_study.yaml --dry-run   print the scripts
+  vitforge study data-scale my_study.yaml --dry-run   print the array's sbatch script
   vitforge study collect my_study.yaml --out results  table (.md), numbers (.json), plots (.png)
 
 A study spec (YAML): name, launch (a launch spec: resources and the trainer recipe), checkpoint_dir,
@@ -25,8 +25,8 @@ from vitforge.core import setup_logging
 
 from . import slurm
 from .spec import check_against
-from .study import (StudyError, check_runs, collect, figure_metric, load_study, run_locally, runs, scripts, table,
-                    write_results)
+from .study import (StudyError, array_script, check_runs, collect, figure_metric, load_study, run_locally, runs,
+                    table, write_results)
 
 
 def main(argv: list[str]) -> int:
@@ -44,7 +44,7 @@ def main(argv: list[str]) -> int:
     for launch in launches:
         mode = launch.add_mutually_exclusive_group()
         mode.add_argument("--local", action="store_true", help="run here with torchrun, one run after another")
-        mode.add_argument("--dry-run", action="store_true", help="print the sbatch scripts instead of submitting")
+        mode.add_argument("--dry-run", action="store_true", help="print the sbatch script instead of submitting")
     gather.add_argument("--out", required=True, help="folder for data_scale.md, .json, data_scale.png and compute.png")
     args = p.parse_args(argv)
     setup_logging()
@@ -61,7 +61,7 @@ def main(argv: list[str]) -> int:
                          f"two values (e.g. [512695, 1025390]), not {study.steps}")
     check_runs(study)
     if args.dry_run:
-        print("\n".join(script for _, _, script in scripts(study)), end="")
+        print(array_script(study)[1], end="")
         return 0
     if args.local:
         for run in runs(study):
@@ -72,13 +72,15 @@ def main(argv: list[str]) -> int:
                 print(f"run {run.name} failed (exit {code}); later runs not started")
                 return code
         return 0
-    for run, spec, script in scripts(study):
-        check_against(spec, slurm.partition_limits(spec.partition))
-        os.makedirs(spec.log_dir, exist_ok=True)
-        path = os.path.join(spec.log_dir, f"{run.name}.sbatch")
-        with open(path, "w") as f:
-            f.write(script)
-        job = slurm.submit(path)
-        print(f"submitted {run.name} as job {job}: model {run.model}, subset {run.subset}, steps "
-              f"{run.steps or 'as the recipe'}, script {path}")
+    spec, script = array_script(study)
+    check_against(spec, slurm.partition_limits(spec.partition))
+    os.makedirs(spec.log_dir, exist_ok=True)
+    path = os.path.join(spec.log_dir, f"{study.name}.sbatch")
+    with open(path, "w") as f:
+        f.write(script)
+    job = slurm.submit(path)
+    for task, run in enumerate(runs(study)):
+        print(f"submitted {run.name} as job {job}_{task}: model {run.model}, subset {run.subset}, steps "
+              f"{run.steps or 'as the recipe'}")
+    print(f"job array {job}: {len(runs(study))} task(s), script {path}")
     return 0

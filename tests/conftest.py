@@ -23,10 +23,12 @@ REPO = Path(__file__).resolve().parent.parent
 
 def vitforge(*args: str, env: dict | None = None, check: bool = True, timeout: float = 300,
              prefix: list[str] | None = None) -> subprocess.CompletedProcess:
-    """Run the real CLI in a fresh process, as a user would."""
+    """Run the real CLI in a fresh process, as a user would, with the venv's DeepSpeed op cache
+    (EXTENSIONS): a command that starts a process group (eval, train) would otherwise JIT-build the
+    shm op again in ~/.cache, 30-40 s, whenever the ninja on PATH differs from the last build's."""
     cmd = (prefix or []) + [sys.executable, "-m", "vitforge", *map(str, args)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                            env={**os.environ, **(env or {})}, cwd=REPO)
+                            env={**os.environ, **EXTENSIONS, **(env or {})}, cwd=REPO)
     if check and result.returncode != 0:
         raise AssertionError(f"{cmd} exited {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}")
     return result

@@ -8,8 +8,11 @@ import json
 import signal
 import time
 
+import numpy as np
+
 from conftest import start_ranks, train
 from vitforge.core import errors
+from vitforge.trainer.probe_eval import key_hash, shots_fingerprint
 
 # 12 steps at ZeRO-3, probes at 4, 8 and 12 (eval.every; train.eval_every would be data.val's, and
 # is also the probes' default); the probe draws its shots from the training split and is scored on
@@ -37,9 +40,16 @@ def test_probes_during_a_preempted_zero3_run_equal_an_uninterrupted_one(data):
     for name in ("fewshot_digits_1shot", "fewshot_digits_5shot", "knn_digits", "linear_digits"):
         assert 0 <= last[f"eval_{name}"] <= 1, last
     assert last["eval_fewshot_digits_5shot"] > 0.5, last  # ten colours: a linear probe separates them
-    # The same shots at every evaluation.
+    # The same shots at every evaluation, recorded by sample key: 1 and 5 per class, the 1-shot ones
+    # among the 5-shot ones, and the fingerprint in the metrics is theirs.
     assert len({row["eval_fewshot_digits_5shot_images"] for row in straight}) == 1
     assert straight[0]["eval_fewshot_digits_1shot_images"] != straight[0]["eval_fewshot_digits_5shot_images"]
+    recorded = json.loads((data / "runs" / "probed" / "probe_shots.json").read_text())["digits"]
+    assert len(recorded["1shot"]) == 10 and len(recorded["5shot"]) == 50
+    assert set(recorded["1shot"]) < set(recorded["5shot"])
+    for shots in ("1shot", "5shot"):
+        hashes = np.array([key_hash(key) for key in recorded[shots]])
+        assert shots_fingerprint(hashes) == last[f"eval_fewshot_digits_{shots}_images"]
 
     ranks = start_ranks(data, "probed-usr1", *probed(data))
     metrics = data / "runs" / "probed-usr1" / "metrics.jsonl"

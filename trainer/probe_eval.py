@@ -89,12 +89,15 @@ def key_hash(key: str) -> int:
 
 
 @torch.no_grad()
-def split_features(model: torch.nn.Module, loader, objective: Objective, params: dict | None) -> tuple[torch.Tensor,
-                                                                                                      torch.Tensor]:
+def split_features(model: torch.nn.Module, loader, objective: Objective, params: dict | None,
+                   keys: dict[int, str] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's (rows, width) float32 features and (rows, META) int64 label, key hash and
-    realness (padding and replaced samples are not real)."""
+    realness (padding and replaced samples are not real). `keys`, when given, gets each row's key
+    by its hash (rows / world entries of some 40 bytes), to name the shots."""
     features, meta = [], []
     for batch in loader:
+        if keys is not None:
+            keys.update((key_hash(k), k) for k in batch["key"])
         rows = objective.features(model, batch["image"], params).float()
         labels = batch["label"].cpu().long()
         real = batch["real"].cpu() & (labels != IGNORE_LABEL)
@@ -149,43 +152,68 @@ def _pieces(tensor: torch.Tensor, rows: int):
 
 
 def probe_metrics(probe: ProbeSet, train: tuple[np.ndarray, ...], test: tuple[np.ndarray, ...],
-                  cfg: EvalConfig, device: torch.device) -> dict:
+                  cfg: EvalConfig, device: torch.device) -> tuple[dict, dict[int, np.ndarray]]:
     """Every configured evaluator on one probe dataset's gathered features (rank 0), on `device`
-    (the GPU's, when there is one). Beside each few-shot top-1: the regulariser chosen, and which
-    images were the shots (a fingerprint of their keys), so that a run's metrics show the same
-    shots at every evaluation."""
+    (the GPU's, when there is one), and each k's shots (their key hashes). Beside each few-shot
+    top-1: the regulariser chosen, and a fingerprint of the shots' keys, so that a run's metrics
+    show the same shots at every evaluation."""
     train_x, train_y = (torch.from_numpy(a).to(device) for a in train[:2])
     test_x, test_y = (torch.from_numpy(a).to(device) for a in test[:2])
-    out = {}
+    out, shot_keys = {}, {}
     for shots in cfg.fewshot:
         chosen = choose_shots(train[1], train[2], shots, cfg.seed, probe.num_classes, cfg.allow_fewer, probe.classes)
         rows = torch.from_numpy(chosen).to(device)
         result = linear_probe(train_x[rows], train_y[rows], test_x, test_y, probe.num_classes)
         out[f"eval_fewshot_{probe.name}_{shots}shot"] = result.top1
         out[f"eval_fewshot_{probe.name}_{shots}shot_l2"] = result.l2
-        out[f"eval_fewshot_{probe.name}_{shots}shot_images"] = \
-            hashlib.sha256(np.sort(train[2][chosen]).tobytes()).hexdigest()[:16]
+        shot_keys[shots] = np.sort(train[2][chosen])
+        out[f"eval_fewshot_{probe.name}_{shots}shot_images"] = shots_fingerprint(shot_keys[shots])
     if cfg.linear:
         out[f"eval_linear_{probe.name}"] = linear_probe(train_x, train_y, test_x, test_y, probe.num_classes).top1
     if cfg.knn:
         out[f"eval_knn_{probe.name}"] = knn_top1(train_x, train_y, test_x, test_y, probe.num_classes, cfg.knn)
-    return out
+    return out, shot_keys
+
+
+def shots_fingerprint(hashes: np.ndarray) -> str:
+    """16 hex digits naming a set of samples (their sorted key hashes)."""
+    return hashlib.sha256(np.sort(hashes).astype(np.int64).tobytes()).hexdigest()[:16]
+
+
+def name_shots(shot_keys: dict[int, np.ndarray], keys: dict[int, str]) -> dict[str, list[str]] | None:
+    """Rank 0: each k's shots by sample key ("SHARD.tar:NAME"), from the ranks that read them; None elsewhere."""
+    wanted = {int(h) for hashes in shot_keys.values() for h in hashes}
+    mine = {h: keys[h] for h in wanted & keys.keys()}
+    found = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, found, dst=0)
+    if found is None:
+        return None
+    named = {h: k for part in found for h, k in part.items()}
+    return {f"{shots}shot": sorted(named[int(h)] for h in hashes) for shots, hashes in shot_keys.items()}
 
 
 def run_probes(model: torch.nn.Module, probes: list[ProbeSet], objective: Objective, cfg: EvalConfig,
-               device: torch.device, params: dict | None = None) -> dict:
+               device: torch.device, params: dict | None = None,
+               record: Callable[[dict], None] | None = None) -> dict:
     """Every probe's metrics, on every rank (a probe's error, e.g. too few images of a class for the
     shots, is raised on every rank). All ranks must call it: the features' forward passes and the
-    gather are collective."""
+    gather are collective. `record`: given (on rank 0) each probe's shots by sample key,
+    {probe: {"5shot": [keys]}}; all ranks must pass one or none."""
     was_training = model.training
     model.eval()
     try:
-        results = {}
+        results, shots = {}, {}
         for probe in probes:
-            train = gather_rows(*split_features(model, probe.train, objective, params))
+            keys: dict[int, str] | None = {} if record else None
+            train = gather_rows(*split_features(model, probe.train, objective, params, keys))
             test = gather_rows(*split_features(model, probe.test, objective, params))
-            results.update(agree(partial(probe_metrics, probe, train, test, cfg, device)))
+            metrics, shot_keys = agree(partial(probe_metrics, probe, train, test, cfg, device))
             del train, test  # one probe's features at a time
+            results.update(metrics)
+            if record and shot_keys:
+                shots[probe.name] = name_shots(shot_keys, keys)
+        if record and shots and dist.get_rank() == 0:
+            record(shots)
         return results
     finally:
         model.train(was_training)

@@ -9,6 +9,7 @@ position, RNG, EMA: state.StateParts) are handed to the checkpointer, which save
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -38,6 +39,7 @@ from .run_store import METRICS, tag_for
 from .state import RandomState, StateParts
 
 log = logging.getLogger("vitforge.train")
+SHOTS = "probe_shots.json"
 
 
 class Requeue(VitforgeError):
@@ -150,6 +152,7 @@ class Trainer:
         self.objective, self.checkpointer, self.metrics, self.ema = objective, checkpointer, metrics, ema
         self.manifest_extra = manifest_extra
         self.probes = list(probes)
+        self.shots_recorded = False  # the probes' shots go to SHOTS at this invocation's first evaluation
         self.state = TrainState()
         self.accumulation = cfg.accumulation(env.world_size)
         self.end = min(cfg.train.steps, cfg.train.stop_at or cfg.train.steps)
@@ -248,9 +251,15 @@ class Trainer:
         if probes and self.probes:
             started = time.perf_counter()
             out.update(run_probes(self.engine.module, self.probes, self.objective, self.cfg.eval, self.device,
-                                  weights))
+                                  weights, None if self.shots_recorded else self.record_shots))
+            self.shots_recorded = True
             out["eval_probe_seconds"] = time.perf_counter() - started
         return out
+
+    def record_shots(self, shots: dict) -> None:
+        """Which images the few-shot probes fit on, by sample key (rank 0), beside metrics.jsonl."""
+        with open(os.path.join(self.metrics.folder, SHOTS), "w") as f:
+            json.dump(shots, f, indent=1)
 
     def agree_on_step(self) -> tuple[str | None, bool, bool]:
         """One small all-reduce per step: does any rank want to stop (signal, time budget), is the
