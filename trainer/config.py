@@ -302,10 +302,6 @@ class EvalConfig(Strict):
                              "eval.knn or eval.linear")
         return self
 
-    @property
-    def probing(self) -> bool:
-        return bool(self.probes) and bool(self.fewshot or self.knn or self.linear)
-
 
 class Config(Strict):
     model: ModelConfig = ModelConfig()

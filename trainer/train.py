@@ -417,8 +417,7 @@ def _build(cfg: Config, env, device, stop: StopRequest) -> tuple[Trainer, Checkp
     train_loader = build_data_loader(cfg, cfg.data.train, True, env, device)
     index = train_loader.index
     val_loader = build_data_loader(cfg, cfg.data.val, False, env, device) if cfg.data.val else None
-    probes = build_probes(cfg.eval, lambda source: build_data_loader(cfg, source, False, env, device)) \
-        if cfg.eval.probing else []
+    probes = build_probes(cfg.eval, lambda source: build_data_loader(cfg, source, False, env, device))
     num_classes = cfg.model.num_classes or (index.num_classes if index else None)
     objective = get_objective(cfg.train.objective)
     _check_labelled(objective, train_loader, val_loader)
@@ -573,8 +572,8 @@ def _set_fp32_master(param: torch.nn.Parameter, value: torch.Tensor, zero3: bool
 def run_eval(cfg: Config, checkpoint_url: str, model_overrides: set[str]) -> dict:
     """Evaluate a checkpoint on data.val: the model and class map come from its manifest (keys
     set with --set model.X win), the training data is never touched."""
-    if not cfg.data.val and not cfg.eval.probing:
-        raise ConfigError("data.val is not set and eval.probes has no evaluator: nothing to evaluate on "
+    if not cfg.data.val and not cfg.eval.probes:
+        raise ConfigError("data.val and eval.probes are not set: nothing to evaluate on "
                           "(--set data.val=..., or eval.probes with --fewshot)")
     env = detect_env()
     device = init_distributed(env, cfg.train.collective_timeout_s)
@@ -589,8 +588,7 @@ def run_eval(cfg: Config, checkpoint_url: str, model_overrides: set[str]) -> dic
             check_model_config(model_cfg, saved_objective(weights.manifest))
             eval_cfg = cfg.model_copy(update={"model": model_cfg})
             val_loader = build_data_loader(eval_cfg, cfg.data.val, False, env, device) if cfg.data.val else None
-            probes = build_probes(cfg.eval, lambda source: build_data_loader(eval_cfg, source, False, env, device)) \
-                if cfg.eval.probing else []
+            probes = build_probes(cfg.eval, lambda source: build_data_loader(eval_cfg, source, False, env, device))
             all_ok(lambda: [loader.prepare() for loader in (val_loader, *_probe_loaders(probes)) if loader is not None])
             objective = get_objective(saved_objective(weights.manifest))
             if val_loader is not None:
