@@ -37,6 +37,13 @@ class LocalS3:
             self.process.kill()
 
 
+# SeaweedFS gives every bucket (a collection) its own volumes, about 8 at its first write, and by
+# default caps the volumes at free disk / 128 MB: 312 with 40 GB free, so a session's 40th bucket
+# got "InternalError: no free volumes left" (the test suite makes a bucket per test). Volumes are
+# sparse files that grow as written: a high cap costs no disk.
+MAX_VOLUMES = 4000
+
+
 def _free_base_port(host: str = "127.0.0.1") -> int:
     """A port p with p and p + 10000 (SeaweedFS's gRPC offset) both free."""
     for _ in range(200):
@@ -62,8 +69,8 @@ def start_local_s3(data_dir: str, timeout: float = 60, host: str = "127.0.0.1",
     os.makedirs(data_dir, exist_ok=True)
     ports = {name: _free_base_port(host) for name in ("s3", "master", "filer", "volume")}
     cmd = [weed, "mini", f"-dir={data_dir}", f"-ip={host}", f"-ip.bind={host}", "-master.telemetry=false",
-           "-admin.ui=false", "-webdav=false", f"-s3.port={ports['s3']}", "-s3.port.iceberg=0",
-           "-s3.port.lance=0", f"-master.port={ports['master']}", f"-filer.port={ports['filer']}",
+           "-admin.ui=false", "-webdav=false", f"-volume.max={MAX_VOLUMES}", f"-s3.port={ports['s3']}",
+           "-s3.port.iceberg=0", "-s3.port.lance=0", f"-master.port={ports['master']}", f"-filer.port={ports['filer']}",
            f"-volume.port={ports['volume']}", f"-admin.port={_free_base_port(host)}"]
     if audit_log_config:
         cmd.append(f"-s3.auditLogConfig={audit_log_config}")
