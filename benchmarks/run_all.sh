@@ -8,12 +8,12 @@ OUT="${VITFORGE_BENCH_OUT:-bench-out}"
 PY="${PYTHON:-.venv/bin/python}"
 mkdir -p "$OUT"
 status=0
-for bench in shard_bench loader_bench train_bench ckpt_bench egress_bench scale_bench fewshot_bench; do
+for bench in shard_bench loader_bench train_bench ckpt_bench egress_bench scale_bench fewshot_bench tracking_bench; do
     echo "== benchmarks/$bench.py"
     "$PY" "benchmarks/$bench.py" 2>&1 | tee "$OUT/$bench.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "benchmarks/$bench.py failed"; status=1; }
 done
 echo
 echo "== summary (goals from each benchmark's issue; details above and in $OUT/)"
-"$PY" benchmarks/summarise.py "$OUT"/{shard_bench,loader_bench,train_bench,ckpt_bench,egress_bench,scale_bench,fewshot_bench}.log || status=1
+"$PY" benchmarks/summarise.py "$OUT"/{shard_bench,loader_bench,train_bench,ckpt_bench,egress_bench,scale_bench,fewshot_bench,tracking_bench}.log || status=1
 exit $status

@@ -5,7 +5,9 @@ reaches: its `network_interface`'s, or its name as the batch host resolves it, n
 several nodes) and a port derived from the job id; SLURM sends SIGUSR1 `signal_lead_s` before the
 time limit to every task (the trainer saves and exits 75, as it does when it loses a peer node);
 the script then requeues the job itself, up to `max_requeues` times, unless a newer incarnation of
-the job already runs, and the restarted job resumes from the newest complete checkpoint.
+the job already runs, and the restarted job resumes from the newest complete checkpoint. A hang
+(the trainer's watchdog exits 76) requeues the same way, at most `max_hang_requeues` times in the
+job's life. GPU jobs turn on PyTorch's NCCL flight recorder and watchdog monitor (`nccl_watchdog`).
 
 Spec values are data, never script: the schema (spec.py) keeps them on one line (and SLURM names
 to a strict character set); here each is quoted for where it lands: `sbatch_word` in #SBATCH
@@ -20,9 +22,12 @@ import shlex
 from vitforge.core import errors
 from vitforge.core.scheduler import SLURM_PORT_BASE, SLURM_PORT_SPAN
 
+from vitforge.trainer.config import TrainConfig
+
 from .spec import LaunchSpec
 
 REQUEUE_EXIT = errors.REQUEUE
+HUNG_EXIT = errors.HUNG
 # Every store's credentials travel by inheritance: sbatch passes the submitting environment to the
 # batch step (its default, --export=ALL), srun to every rank (and into a container).
 CREDENTIALS_NOTE = (
@@ -119,6 +124,26 @@ def _rendezvous(spec: LaunchSpec) -> list[str]:
     return lines + ["export MASTER_ADDR", f"export MASTER_PORT={port}"]
 
 
+def nccl_watchdog(spec: LaunchSpec) -> list[str]:
+    """PyTorch's own NCCL watchdog, set to agree with the trainer's (GPU specs only; the spec's `env`
+    is exported after these and wins)."""
+    if not spec.gpus_per_node:
+        return []
+    heartbeat = int(TrainConfig.model_fields["collective_timeout_s"].default)
+    floor = int(TrainConfig.model_fields["hang_floor_s"].default)
+    trace = shlex.quote(f"{spec.log_dir}/nccl-trace-")
+    return [
+        "# PyTorch's NCCL watchdog: a collective past train.collective_timeout_s makes each rank dump its flight",
+        "# recorder (its last collectives) to the log folder before it aborts; the monitor aborts a rank whose NCCL",
+        f"# watchdog thread is itself stuck in a CUDA/NCCL call for {heartbeat} s (collective_timeout_s's default).",
+        f"# Both come after the trainer's own hang watchdog (train.hang_floor_s, {floor} s by default), which writes",
+        f"# every thread's stack to RUN/debug/ and exits {HUNG_EXIT} first.",
+        f"export TORCH_NCCL_TRACE_BUFFER_SIZE=2000 TORCH_NCCL_DUMP_ON_TIMEOUT=1 TORCH_NCCL_ENABLE_MONITORING=1 "
+        f"TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC={heartbeat}",
+        f'export TORCH_NCCL_DEBUG_INFO_TEMP_FILE={trace}"$SLURM_JOB_ID-${{SLURM_RESTART_COUNT:-0}}-rank"',
+    ]
+
+
 def _allocation(spec: LaunchSpec) -> list[str]:
     requests = {"mem": spec.mem_per_node, "mem-per-cpu": spec.mem_per_cpu, "mem-per-gpu": spec.mem_per_gpu,
                 "partition": spec.partition, "account": spec.account, "qos": spec.qos, "constraint": spec.constraint}
@@ -210,6 +235,7 @@ def render(spec: LaunchSpec, tasks: list[LaunchSpec] | None = None) -> str:
         "",
         "set -uo pipefail",
         *_rendezvous(spec),
+        *nccl_watchdog(spec),
         *_setup({k: v for k, v in {**NCCL_PRESETS[spec.nccl], **spec.env}.items()
                  if not (spec.network_interface and k == "NCCL_SOCKET_IFNAME")}, spec.venv),
         'echo "vitforge: job $SLURM_JOB_ID start $(date -Is) restart ${SLURM_RESTART_COUNT:-0} on $SLURM_JOB_NODELIST, '
@@ -225,10 +251,14 @@ def render(spec: LaunchSpec, tasks: list[LaunchSpec] | None = None) -> str:
         "",
         f"# {REQUEUE_EXIT}: the trainer stopped on SIGUSR1/SIGTERM or its time budget after a complete",
         "# checkpoint, or lost a peer node in a collective (nothing written since the newest complete",
-        "# checkpoint). Requeue (the restarted job resumes it), at most max_requeues times, and only while",
-        "# SLURM still runs this incarnation: a stale copy cut off by a network partition, whose job SLURM",
-        "# already requeued elsewhere, must not requeue the newer one when its link returns.",
-        f"if [ $code -eq {REQUEUE_EXIT} ]; then",
+        f"# checkpoint). {HUNG_EXIT}: a step, checkpoint save or evaluation hung: every live rank wrote its stacks",
+        "# to RUN/debug/ and the log names the ranks that did not reach the collective. Requeue (the restarted",
+        "# job resumes from the newest complete checkpoint), at most max_requeues times, after a hang at most",
+        "# max_hang_requeues times in the job's life (counted in a file: SLURM_RESTART_COUNT counts every",
+        "# requeue), and only while SLURM still runs this incarnation: a stale copy cut off by a network",
+        "# partition, whose job SLURM already requeued elsewhere, must not requeue the newer one when its",
+        "# link returns.",
+        f"if [ $code -eq {REQUEUE_EXIT} ] || [ $code -eq {HUNG_EXIT} ]; then",
         "    for try in 1 2 3; do",
         "        current=\"$(scontrol show job -o \"$SLURM_JOB_ID\" 2>/dev/null "
         "| grep -oE '(Restarts|RestartCnt)=[0-9]+' | head -n 1 | cut -d= -f2)\"",
@@ -240,12 +270,23 @@ def render(spec: LaunchSpec, tasks: list[LaunchSpec] | None = None) -> str:
         '${current:-unknown}): a newer incarnation runs; not requeueing"',
         "        exit $code",
         "    fi",
-        f"    if [ \"${{SLURM_RESTART_COUNT:-0}}\" -lt {spec.max_requeues} ]; then",
+        "    hangs=0",
+        f"    if [ $code -eq {HUNG_EXIT} ]; then",
+        f'        hangs_file={shlex.quote(f"{spec.log_dir}/.hangs-")}"$SLURM_JOB_ID"',
+        '        hangs=$(( $(cat "$hangs_file" 2>/dev/null || echo 0) + 1 ))',
+        '        echo "$hangs" > "$hangs_file"',
+        f'        echo "vitforge: job $SLURM_JOB_ID hung (hang $hangs; at most {spec.max_hang_requeues} requeued): '
+        "every rank's stacks are in the run's debug/ folder\"",
+        "    fi",
+        f"    if [ \"$hangs\" -gt {spec.max_hang_requeues} ]; then",
+        f'        echo "vitforge: hang requeue limit {spec.max_hang_requeues} reached; the run is resumable by hand"',
+        f"    elif [ \"${{SLURM_RESTART_COUNT:-0}}\" -lt {spec.max_requeues} ]; then",
         '        echo "vitforge: requeueing job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0})"',
         '        scontrol requeue "$SLURM_JOB_ID"',
         "        exit 0",
+        "    else",
+        f'        echo "vitforge: requeue limit {spec.max_requeues} reached; the run is resumable by hand"',
         "    fi",
-        f'    echo "vitforge: requeue limit {spec.max_requeues} reached; the run is resumable by hand"',
         "fi",
         'echo "vitforge: job $SLURM_JOB_ID ended $(date -Is) with exit code $code"',
         "exit $code",

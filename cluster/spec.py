@@ -153,6 +153,9 @@ class LaunchSpec(Strict):
     """A sharding job array plus a dependent merge job."""
     max_requeues: int = Field(10, ge=0)
     """Self-requeues after a stop signal or time budget, at most."""
+    max_hang_requeues: int = Field(2, ge=0)
+    """Requeues after a hang (the trainer's watchdog, exit code 76), at most, in the job's life (each
+    also counts toward max_requeues): a hang that comes back is a bug or a bad node, not bad luck."""
     signal_lead_s: int = Field(180, ge=10)
     """SIGUSR1 this long before the time limit (--signal=USR1@N): time to save and requeue."""
     log_dir: LogDir = "slurm-logs"

@@ -8,7 +8,7 @@ from .errors import (CheckpointError, DivergedError, PreconditionFailed, Storage
 from .files import PARTIAL_MARK, atomic_path, atomic_write, sha256_file  # noqa: E402
 from .logs import process_rank, setup_logging  # noqa: E402
 from .net import free_port  # noqa: E402
-from .process import die_with_parent  # noqa: E402
+from .process import die_with_parent, record_exit_code  # noqa: E402
 from .progress import Progress  # noqa: E402
 from .retry import TransientError, with_retries  # noqa: E402
 from .scheduler import SCHEDULERS, Scheduler, SchedulerEnv, first_host, scheduler_env  # noqa: E402
@@ -19,7 +19,8 @@ __all__ = [
     "CheckpointError", "DivergedError", "ENTRY_POINT_GROUP", "LocalWriteError", "ObjectInfo", "PARTIAL_MARK",
     "PreconditionFailed", "Progress", "StorageError", "Store", "TransientError", "UsageError", "VitforgeError",
     "__version__", "atomic_path", "atomic_write", "die_with_parent", "free_port", "is_remote",
-    "local_write_error", "object_store", "open_store", "process_alive", "process_rank", "register_store",
+    "local_write_error", "object_store", "open_store", "process_alive", "process_rank", "record_exit_code",
+    "register_store",
     "setup_logging", "sha256_file", "store_schemes", "with_retries",
     # where this process sits in its job
     "SCHEDULERS", "Scheduler", "SchedulerEnv", "first_host", "scheduler_env",

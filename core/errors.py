@@ -15,6 +15,7 @@ CHECKPOINT = 4  # a checkpoint is missing, incomplete, corrupt or does not fit t
 DIVERGED = 5  # the loss or gradient norm became non-finite
 INTERNAL = 70  # a bug: the traceback is printed (sysexits EX_SOFTWARE)
 REQUEUE = 75  # stopped early on a signal or time limit, checkpoint saved: run again to resume (EX_TEMPFAIL)
+HUNG = 76  # a step or checkpoint/evaluation phase hung: stacks in RUN/debug/; rerun resumes (bounded requeues)
 INTERRUPTED = 130  # Ctrl-C (128 + SIGINT, as a shell reports it)
 
 

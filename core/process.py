@@ -7,6 +7,8 @@ import os
 import signal
 import sys
 
+from .logs import process_rank
+
 PR_SET_PDEATHSIG = 1
 
 
@@ -17,3 +19,14 @@ def die_with_parent(parent: int) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # the parent died before prctl took effect
         os._exit(1)
+
+
+def record_exit_code(code: int) -> None:
+    """A job of many tasks is reported by srun as a whole (with --kill-on-bad-exit, a rank still
+    shutting down is killed and srun says 143): rank 0's own verdict goes to VITFORGE_EXIT_FILE
+    when it is set (by the CLI on its way out, and by the trainer's hang watchdog, which ends the
+    process itself)."""
+    verdict = os.environ.get("VITFORGE_EXIT_FILE")
+    if verdict and process_rank() == 0:
+        with open(verdict, "w") as f:
+            f.write(f"{code}\n")

@@ -1,5 +1,6 @@
 """Local stand-ins for the services vitforge talks to in production (an S3 server, a SLURM cluster,
-and the GCS and Azure Blob emulators), used by the tests, `vitforge demo` and the benchmarks.
+the GCS and Azure Blob emulators, an MLflow tracking server), used by the tests, `vitforge demo` and
+the benchmarks.
 
 No product package (core, shards, pipeline, trainer, cluster) imports this package: production code
 never depends on a stand-in (tests/test_units.py checks it). Only the `vitforge` front-end's `demo`
@@ -8,9 +9,10 @@ command (importing it inside the function that needs it), tests/ and benchmarks/
 
 from .local_azure import LocalAzure, start_local_azure
 from .local_gcs import LocalGCS, start_local_gcs
+from .local_mlflow import LocalMLflow, start_local_mlflow
 from .local_s3 import LocalS3, start_local_s3
 from .local_slurm import LOCAL_SLURM_SETTINGS, local_slurm_missing, start_local_slurm, stop_local_slurm
 
 __all__ = ["LOCAL_SLURM_SETTINGS", "LocalS3", "local_slurm_missing", "start_local_s3", "start_local_slurm",
            "stop_local_slurm", "LocalGCS", "start_local_gcs",
-           "LocalAzure", "start_local_azure"]
+           "LocalAzure", "start_local_azure", "LocalMLflow", "start_local_mlflow"]

@@ -99,7 +99,7 @@ def fake_nccl_rule(checked: list[str]):
     import torch.distributed as dist
 
     names = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_gather_into_tensor",
-             "reduce_scatter_tensor", "reduce")
+             "reduce_scatter_tensor", "reduce", "gather")
     originals = {name: getattr(dist, name) for name in names}
 
     def guarded(name):
@@ -146,10 +146,10 @@ def worker_collectives(data: str, out: str) -> None:
     cfg = load_config("tiny_cpu", [f"data.train={data}/train", f"data.val={data}/val", "data.backend=torch",
                                    "data.workers=0", f"checkpoint.dir={out}", "checkpoint.run=fake",
                                    "checkpoint.save=false", "train.steps=3", "train.log_every=1",
-                                   "train.eval_every=3"])
+                                   "train.eval_every=3", "train.straggler_every=1"])
     env = detect_env()
     device = init_distributed(env)
-    built, _ = _build(cfg, env, device, StopRequest(None))
+    built, *_ = _build(cfg, env, device, StopRequest(None))
     checked: list[str] = []
     with _fake_accelerator_mode(), fake_nccl_rule(checked):
         trainer = Trainer(cfg, env, FAKE_DEVICE, built.engine, built.train_loader, built.val_loader, built.objective,
@@ -239,6 +239,7 @@ def test_every_collective_takes_tensors_on_the_engines_device(data, tmp_path):
     # every step's flags, every log line's loss and wait, the evaluation, and the weights' tensors
     assert checked.count("vitforge.trainer.train.all_reduce") == 3 + 3 * 2 + 1, checked
     assert checked.count("vitforge.trainer.distributed.broadcast") > 10, checked
+    assert checked.count("vitforge.trainer.stragglers.gather") == 2, checked  # the exchanges at steps 2 and 3
     assert report["result"]["eval_samples"] == 100 and report["result"]["loss"] > 0
     assert report["broadcast_same"]
 

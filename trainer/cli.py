@@ -1,5 +1,5 @@
-"""`vitforge train CONFIG`, `vitforge eval CONFIG --checkpoint URL [--fewshot 1,5,10,25]`: run in every
-process of the job.
+"""`vitforge train CONFIG [--profile FIRST:LAST]`, `vitforge eval CONFIG --checkpoint URL [--fewshot 1,5,10,25]`:
+run in every process of the job.
 
 One process: `vitforge train tiny_cpu`. Several: `torchrun --nproc_per_node 2 -m vitforge train tiny_cpu`,
 the `deepspeed` launcher, or `srun` (SLURM's variables are mapped to RANK/WORLD_SIZE/...).
@@ -30,6 +30,11 @@ def _parser(prog: str, evaluate: bool) -> argparse.ArgumentParser:
         p.add_argument("--fewshot", metavar="K,K,...", type=_shots,
                        help="linear few-shot top-1 on eval.probes with K images per class, e.g. 1,5,10,25 "
                             "(sets eval.fewshot); with no data.val, only the probes run")
+    else:
+        p.add_argument("--profile", metavar="FIRST:LAST", type=_window,
+                       help="record torch.profiler traces of optimizer steps FIRST to LAST on every rank into "
+                            "RUN/profile/ (Chrome/Perfetto JSON that TensorBoard also reads; CUDA memory "
+                            "snapshots on a GPU), e.g. 100:105 (sets train.profile_steps)")
     return p
 
 
@@ -40,10 +45,23 @@ def _shots(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"{text!r}: expected shots per class like 1,5,10,25") from None
 
 
+def _window(text: str) -> list[int]:
+    first, sep, last = text.partition(":")
+    try:
+        window = [int(first), int(last)] if sep else []
+    except ValueError:
+        window = []
+    if not window or not 1 <= window[0] <= window[1]:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected steps FIRST:LAST with 1 <= FIRST <= LAST, "
+                                         "e.g. 100:105")
+    return window
+
+
 def main(argv: list[str], evaluate: bool = False) -> int:
     args = _parser("vitforge eval" if evaluate else "vitforge train", evaluate).parse_args(argv)
     setup_logging()
-    overrides = args.overrides + ([f"eval.fewshot={args.fewshot}"] if getattr(args, "fewshot", None) else [])
+    overrides = args.overrides + ([f"eval.fewshot={args.fewshot}"] if getattr(args, "fewshot", None) else []) + \
+        ([f"train.profile_steps={args.profile}"] if getattr(args, "profile", None) else [])
     cfg = load_config(args.config, overrides)
     if evaluate:
         from .train import run_eval

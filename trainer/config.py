@@ -179,6 +179,84 @@ class TrainConfig(Strict):
     """Consecutive steps with a non-finite loss or gradient norm before the run stops (exit code 5)."""
     seed: int = 0
     """Seeds the weights' initialisation and dropout."""
+    watchdog: bool = True
+    """A hang watchdog thread on every rank (see hang_timeout_s); false: none (benchmarks)."""
+    hang_timeout_s: float | None = Field(None, gt=0)
+    """Seconds a rank may go without finishing a step (or a checkpoint or evaluation phase) before
+    its watchdog writes every thread's stack to RUN/debug/ and ends the job with exit code 76 (a
+    SLURM job requeues, a bounded number of times); null: sized from the measured step time, never
+    under hang_floor_s, and above it at most 0.9 x collective_timeout_s. Below collective_timeout_s: a
+    collective that gives up first ends the ranks with neither stacks nor exit code 76."""
+    hang_floor_s: float = Field(300, gt=0)
+    """The least timeout the watchdog sizes for itself from the step time (start-up, the first
+    steps and the slowest phases need room). When set, below collective_timeout_s; with the default
+    and a shorter collective_timeout_s, the collective timeout is the hang detector."""
+    straggler_every: int | None = Field(100, ge=1)
+    """Steps between exchanges of every rank's step and data-wait times (a rank slower than the
+    median by straggler_threshold is logged with its host); null: off."""
+    straggler_threshold: float = Field(0.2, gt=0)
+    """How much slower than the median step time (a fraction) makes a rank a straggler."""
+    profile_steps: tuple[int, int] | None = None
+    """[first, last]: torch.profiler traces of these steps on every rank into RUN/profile/ (Chrome
+    JSON and TensorBoard; CUDA memory snapshots on GPU); null: off, at no cost."""
+
+    @field_validator("profile_steps")
+    @classmethod
+    def _window(cls, value):
+        if value is not None and not 1 <= value[0] <= value[1]:
+            raise ValueError(f"profile_steps {list(value)}: expected [first, last] with 1 <= first <= last")
+        return value
+
+    @model_validator(mode="after")
+    def _watchdog_before_collectives(self):
+        # Only a floor that was set: with the default one, a short collective_timeout_s detects hangs.
+        limits = {"hang_timeout_s": self.hang_timeout_s,
+                  "hang_floor_s": self.hang_floor_s if "hang_floor_s" in self.model_fields_set else None}
+        for key, value in limits.items():
+            if self.watchdog and value is not None and value >= self.collective_timeout_s:
+                raise ValueError(f"train.{key} ({value:g}) must be below train.collective_timeout_s "
+                                 f"({self.collective_timeout_s:g}): a collective that gives up first ends the "
+                                 "ranks with no stacks and no exit code 76 (or set train.watchdog=false)")
+        return self
+
+
+class MLflowTracking(Strict):
+    uri: str | None = None
+    """The tracking server; null: MLFLOW_TRACKING_URI. Credentials never go here (the client
+    reads MLFLOW_TRACKING_USERNAME/PASSWORD or MLFLOW_TRACKING_TOKEN from the environment)."""
+    experiment: str | None = None
+    """null: MLFLOW_EXPERIMENT_NAME, else "vitforge"."""
+    run_name: str | None = None
+    """null: checkpoint.run."""
+
+    @field_validator("uri")
+    @classmethod
+    def _no_credentials(cls, value):
+        if value is not None and "@" in value.split("://", 1)[-1].split("/", 1)[0]:
+            raise ValueError("tracking.mlflow.uri holds credentials (user:password@host): set "
+                             "MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD in the environment instead")
+        return value
+
+
+class WandbTracking(Strict):
+    project: str | None = None
+    """null: WANDB_PROJECT, else "vitforge"."""
+    entity: str | None = None
+    """null: WANDB_ENTITY (the API key only ever comes from WANDB_API_KEY or `wandb login`)."""
+    mode: Literal["online", "offline"] | None = None
+    """null: WANDB_MODE, else online."""
+    run_name: str | None = None
+    """null: checkpoint.run."""
+
+
+class TrackingConfig(Strict):
+    """Experiment trackers, logged from rank 0 off the step: each row of metrics.jsonl, the config
+    as parameters, system figures, and the run's files at the end; one tracker run per vitforge run
+    across every requeue. Both may be on at once; each needs its extra (vitforge[mlflow], [wandb])."""
+    mlflow: MLflowTracking | None = None
+    """{} turns it on with the environment's settings; null: off."""
+    wandb: WandbTracking | None = None
+    """{} turns it on with the environment's settings; null: off."""
 
 
 class CheckpointConfig(Strict):
@@ -311,6 +389,7 @@ class Config(Strict):
     train: TrainConfig
     checkpoint: CheckpointConfig = CheckpointConfig()
     eval: EvalConfig = EvalConfig()
+    tracking: TrackingConfig = TrackingConfig()
     deepspeed: dict = {}
     """Any DeepSpeed config keys, merged last over the generated config (e.g. {zero_optimization:
     {reduce_bucket_size: 500000000}})."""

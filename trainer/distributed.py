@@ -122,9 +122,14 @@ class PeerWatch:
         self._store = None
         if env.rank % env.local_world_size == 0:
             self._store = self._connect()
-            self._store.set(f"{self.PREFIX}host/{self.node}", socket.gethostname())
+            self._store.set(self.host_key(self.node), socket.gethostname())
             self._store.add(f"{self.PREFIX}beat/{self.node}", 1)
             threading.Thread(target=self._beat, name="vitforge-peer-watch", daemon=True).start()
+
+    @classmethod
+    def host_key(cls, node: int) -> str:
+        """The store key under which node `node`'s first rank registers its host name."""
+        return f"{cls.PREFIX}host/{node}"
 
     def _connect(self) -> dist.TCPStore:
         return dist.TCPStore(self.env.master_addr, self.env.master_port, is_master=False, wait_for_workers=False,
@@ -151,8 +156,8 @@ class PeerWatch:
             after = self._counters(store)
             stopped = [n for n in range(self.nodes) if n != self.node and before[n] == after[n]
                        and not store.check([f"{self.PREFIX}left/{n}"])]
-            hosts = {n: store.get(f"{self.PREFIX}host/{n}").decode()
-                     if store.check([f"{self.PREFIX}host/{n}"]) else "unregistered" for n in stopped}
+            hosts = {n: store.get(self.host_key(n)).decode()
+                     if store.check([self.host_key(n)]) else "unregistered" for n in stopped}
             return [f"node {n} (host {hosts[n]})" for n in stopped]
         except Exception as e:  # the store lives in rank 0: its node is the one gone
             log.debug("peer watch: store unreachable: %s", e)

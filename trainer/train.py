@@ -35,8 +35,12 @@ from .mixing import Mixing, mix_batch
 from .objective import OBJECTIVES, Objective, get_objective, saved_objective
 from .preemption import StopRequest
 from .probe_eval import ProbeSet, build_probes, run_probes
+from .profiling import NEVER, profile_window
 from .run_store import METRICS, tag_for
 from .state import RandomState, StateParts
+from .stragglers import StragglerWatch
+from .tracking import TrackingFeed, check_trackers, start_tracking
+from .watchdog import Watchdog
 
 log = logging.getLogger("vitforge.train")
 SHOTS = "probe_shots.json"
@@ -168,6 +172,14 @@ class Trainer:
         self.flags = torch.zeros(3, device=device)  # what ranks agree on after each step
         self.last: dict = {}
         self.run_start = (time.perf_counter(), 0)
+        # Progress marks for this rank's hang watchdog (run() starts it): a save may wait for two uploads.
+        self.watchdog = Watchdog(cfg.train.hang_timeout_s, cfg.train.hang_floor_s, cfg.train.collective_timeout_s,
+                                 {"checkpoint save": 2 * 60 * cfg.checkpoint.upload_timeout_minutes})
+        every = cfg.train.straggler_every
+        self.stragglers = StragglerWatch(every, cfg.train.straggler_threshold, env.rank, env.world_size, device,
+                                         engine.module, train_loader, metrics.folder) if every else None
+        self.profiler = profile_window(cfg.train.profile_steps, self.end, env.rank, device, checkpointer.run.store)
+        self.profile_at = self.profiler.next_at if self.profiler else NEVER  # the step after which it acts next
 
     # -- the loop ----------------------------------------------------------------------------
     def train(self) -> dict:
@@ -177,6 +189,8 @@ class Trainer:
             log.info("nothing to train: the run is already at step %d of %d (raise train.steps to go on, or "
                      "use a new checkpoint.run)", self.state.step, self.end)
             return {"step": self.state.step, "complete": True}
+        if self.state.step >= self.profile_at:  # a window that opens at this invocation's first step
+            self.profile_at = self.profiler.after(self.state.step)
         while self.state.step < self.end:
             for batch in self.train_loader:
                 if self.train_step(batch) and self.after_step():
@@ -211,7 +225,10 @@ class Trainer:
     def after_step(self) -> bool:
         """Log, evaluate, check, checkpoint, stop; True when this invocation should end."""
         step, cfg = self.state.step, self.cfg
+        self.watchdog.beat(step)
         stop_reason, nonfinite, timed = self.agree_on_step()
+        if self.stragglers is not None:  # timed here, after the step's last collective; exchanged every N steps
+            self.stragglers.step_done(step)
         if nonfinite:
             self.state.nonfinite_streak += 1
             if self.state.nonfinite_streak >= cfg.train.max_nonfinite:
@@ -227,7 +244,8 @@ class Trainer:
         val = self.val_loader is not None and (step % cfg.train.eval_every == 0 or step == self.end)
         probes = bool(self.probes) and (step % (cfg.eval.every or cfg.train.eval_every) == 0 or step == self.end)
         if val or probes:
-            results = self.evaluate(val, probes)
+            with self.watchdog.phase("evaluation"):
+                results = self.evaluate(val, probes)
             self.last.update(results)
             self.metrics.write(step, results)
         due = (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0) or timed or step == self.end
@@ -239,6 +257,9 @@ class Trainer:
                           "run the same command again to resume")
         if due:
             self.save(wait=step == self.end)
+        if step >= self.profile_at:  # an int comparison per step outside a profiler window
+            with self.watchdog.phase("profile"):  # a window's end exports and uploads every rank's trace
+                self.profile_at = self.profiler.after(step)
         return step >= self.end
 
     def evaluate(self, val: bool = True, probes: bool = True) -> dict:
@@ -289,15 +310,16 @@ class Trainer:
         if self.state.nonfinite_streak:
             log.warning("step %d: not saving a checkpoint of a model with non-finite values", self.state.step)
             return
-        self.checkpointer.save(self.engine, self.state.step,
-                               {**self.manifest_extra, "zero_stage": self.engine.zero_optimization_stage()})
-        self.state.last_checkpoint = time.monotonic()
-        stall = self.checkpointer.last_stall
-        log.info("step %d: checkpoint written locally in %.2f s (waited %.2f s for the previous upload)%s",
-                 self.state.step, stall["write_s"], stall["wait_s"], "; uploading" if not wait else "")
-        if wait:
-            self.checkpointer.wait()
-            dist.barrier()
+        with self.watchdog.phase("checkpoint save"):
+            self.checkpointer.save(self.engine, self.state.step,
+                                   {**self.manifest_extra, "zero_stage": self.engine.zero_optimization_stage()})
+            self.state.last_checkpoint = time.monotonic()
+            stall = self.checkpointer.last_stall
+            log.info("step %d: checkpoint written locally in %.2f s (waited %.2f s for the previous upload)%s",
+                     self.state.step, stall["write_s"], stall["wait_s"], "; uploading" if not wait else "")
+            if wait:
+                self.checkpointer.wait()
+                dist.barrier()
 
     def log_step(self) -> dict:
         window, step = self.window, self.state.step
@@ -360,20 +382,23 @@ def run(cfg: Config) -> dict:
     stop = StopRequest(cfg.train.max_minutes)
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: die with the agent, never orphaned
         die_with_parent(os.getppid())
-    checkpointer = peers = None
+    checkpointer = peers = watchdog = feed = None
     ok = False
     try:
         try:
             device = init_distributed(env, cfg.train.collective_timeout_s)
             peers = PeerWatch(env, cfg.train.collective_timeout_s)
             set_tf32(device, cfg.train.tf32)
-            trainer, checkpointer = _build(cfg, env, device, stop)
+            trainer, checkpointer, feed = _build(cfg, env, device, stop)
         except Exception as e:
             _requeue_if_signalled(stop, e)
             raise
         stop.listen()
+        if cfg.train.watchdog:
+            watchdog = trainer.watchdog.start(env, checkpointer.run, peers.master_host)
         result = trainer.train()
-        checkpointer.wait()
+        with trainer.watchdog.phase("checkpoint save"):
+            checkpointer.wait()
         ok = True
         return result
     except Requeue:
@@ -389,8 +414,12 @@ def run(cfg: Config) -> dict:
                            "from it") from e
         raise
     finally:
+        if watchdog is not None:
+            watchdog.stop()
         if peers is not None:
             peers.close()
+        if feed is not None:  # while the lease is held: tracking.json is written by the run's owner only
+            feed.close(finished=trainer.state.step >= cfg.train.steps)
         if checkpointer is not None:
             try:
                 checkpointer.release()
@@ -412,7 +441,8 @@ def _requeue_if_signalled(stop: StopRequest, error: Exception) -> None:
                       "checkpoint") from error
 
 
-def _build(cfg: Config, env, device, stop: StopRequest) -> tuple[Trainer, Checkpointer]:
+def _build(cfg: Config, env, device, stop: StopRequest) -> tuple[Trainer, Checkpointer, TrackingFeed | None]:
+    check_trackers(cfg.tracking, warm=env.rank == 0)
     RandomState().restart(cfg.train.seed)
     train_loader = build_data_loader(cfg, cfg.data.train, True, env, device)
     index = train_loader.index
@@ -469,7 +499,9 @@ def _build(cfg: Config, env, device, stop: StopRequest) -> tuple[Trainer, Checkp
     # rank with its error instead of leaving the others in the next collective.
     all_ok(lambda: [loader.prepare() for loader in (train_loader, val_loader, *_probe_loaders(probes))
                     if loader is not None])
-    return trainer, checkpointer
+    feed = start_tracking(cfg, checkpointer.run, metrics.path, restored.step if restored else None) \
+        if env.rank == 0 else None
+    return trainer, checkpointer, feed
 
 
 def _probe_loaders(probes: list[ProbeSet]) -> list:

@@ -7,12 +7,11 @@ traceback; only a bug prints a traceback (code 70).
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import traceback
 
-from vitforge.core import VitforgeError, __version__, errors, process_rank
+from vitforge.core import VitforgeError, __version__, errors, process_rank, record_exit_code
 
 USAGE = f"""\
 vitforge {__version__}
@@ -35,7 +34,8 @@ commands:
 exit codes: 0 ok, 1 a verification found problems, 2 bad usage/config/input, 3 storage unreachable
 or denied (or the run is owned by another job), 4 checkpoint missing/corrupt/incompatible,
 5 training diverged (non-finite loss), 70 internal error (a bug), 75 stopped on a signal or
-time limit after a complete checkpoint: run again to resume, 130 interrupted.
+time limit after a complete checkpoint: run again to resume, 76 a step hung (every rank's stacks
+in RUN/debug/): run again to resume, 130 interrupted.
 
 'vitforge COMMAND --help' describes each command."""
 
@@ -89,13 +89,9 @@ def _dispatch(command: str, rest: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     code = _main(sys.argv[1:] if argv is None else argv)
-    # A job of many tasks is reported by srun as a whole (with --kill-on-bad-exit, a rank still
-    # shutting down is killed and srun says 143): rank 0's own verdict goes to this file.
-    verdict = os.environ.get("VITFORGE_EXIT_FILE")
-    if verdict and process_rank() == 0:
-        with open(verdict, "w") as f:
-            f.write(f"{code}\n")
+    record_exit_code(code)
     return code
+
 
 
 def _main(argv: list[str]) -> int:
