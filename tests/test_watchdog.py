@@ -20,10 +20,10 @@ import pytest
 from conftest import vitforge
 from test_cluster import _submit, _wait
 from vitforge.cluster import load_spec, render
-from vitforge.core import SchedulerEnv, errors
+from vitforge.core import SchedulerEnv, errors, record_exit_code
 from vitforge.trainer import ConfigError, RunStore, load_config, tag_for
 from vitforge.trainer import watchdog as watchdog_module
-from vitforge.trainer.watchdog import Watchdog, auto_timeout, claim_exit_code
+from vitforge.trainer.watchdog import Watchdog, auto_timeout
 
 STEPS = 100
 TIMEOUT_S = 5
@@ -142,7 +142,7 @@ def test_a_rank_that_finds_rank_0_stuck_records_the_hang_and_the_first_verdict_s
         started = time.monotonic()
         assert watchdog._connect() is None and time.monotonic() - started < 5
     assert verdict.read_text() == f"{errors.HUNG}\n" and "rank 0 is the one stuck" in caplog.text
-    assert not claim_exit_code(errors.REQUEUE) and verdict.read_text() == f"{errors.HUNG}\n"
+    assert not record_exit_code(errors.REQUEUE, claim=True) and verdict.read_text() == f"{errors.HUNG}\n"
 
 
 def _loop(script: str, tmp_path: Path, code: int, restart: int, slurm_restarts: int | None = None):

@@ -95,6 +95,32 @@ def init_distributed(env: SchedulerEnv, timeout_s: float = 600.0) -> torch.devic
     return device
 
 
+def connect_to_rendezvous(env: SchedulerEnv, timeout_s: float) -> dist.TCPStore:
+    """A client of the rendezvous store (rank 0's TCPStore) whose operations give up after
+    `timeout_s`; raises TimeoutError when the connection itself takes over twice that. It is made
+    on another thread and waited for a bounded time: the kernel of a frozen rank 0's host (SIGSTOP,
+    a stuck process) still accepts the connection, and TCPStore's constructor then waits for its
+    first answer with no timeout at all."""
+    outcome: list = []
+
+    def connect() -> None:
+        try:
+            outcome.append(dist.TCPStore(env.master_addr, env.master_port, is_master=False, wait_for_workers=False,
+                                         timeout=timedelta(seconds=timeout_s)))
+        except Exception as e:  # raised below, on the caller's thread
+            outcome.append(e)
+
+    thread = threading.Thread(target=connect, name="vitforge-rendezvous-client", daemon=True)
+    thread.start()
+    thread.join(2 * timeout_s)
+    if not outcome:
+        raise TimeoutError(f"rank 0's rendezvous store {env.master_addr}:{env.master_port} did not answer within "
+                           f"{2 * timeout_s:.0f} s")
+    if isinstance(outcome[0], Exception):
+        raise outcome[0]
+    return outcome[0]
+
+
 class PeerWatch:
     """Which nodes are alive, to name the one a failed collective lost (gloo's "Timed out waiting
     Nms for recv operation" names no peer). Each node's first rank keeps one connection to the
@@ -132,8 +158,7 @@ class PeerWatch:
         return f"{cls.PREFIX}host/{node}"
 
     def _connect(self) -> dist.TCPStore:
-        return dist.TCPStore(self.env.master_addr, self.env.master_port, is_master=False, wait_for_workers=False,
-                             timeout=timedelta(seconds=max(2 * self.interval, 2.0)))
+        return connect_to_rendezvous(self.env, max(2 * self.interval, 2.0))
 
     def _beat(self) -> None:
         key = f"{self.PREFIX}beat/{self.node}"

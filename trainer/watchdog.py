@@ -71,7 +71,7 @@ import torch.distributed as dist
 from vitforge.core import SchedulerEnv, record_exit_code
 from vitforge.core.errors import HUNG
 
-from .distributed import PeerWatch
+from .distributed import PeerWatch, connect_to_rendezvous
 from .run_store import RunStore
 
 log = logging.getLogger("vitforge.watchdog")
@@ -229,23 +229,10 @@ class Watchdog:
             log.error("rank %d: the hang report did not complete: %s", rank, e)
 
     def _connect(self) -> dist.TCPStore | None:
-        # From another thread, waited for a bounded time: the store's host kernel accepts the
-        # connection of a frozen rank 0 (SIGSTOP, a stuck host), and TCPStore's constructor then
-        # waits for its ping's answer with no timeout at all.
-        outcome: list[dist.TCPStore | Exception] = []
-
-        def connect() -> None:
-            try:
-                outcome.append(dist.TCPStore(self.env.master_addr, self.env.master_port, is_master=False,
-                                             wait_for_workers=False, timeout=timedelta(seconds=STORE_S)))
-            except Exception as e:  # whatever it raises, the store does not answer
-                outcome.append(e)
-
-        thread = threading.Thread(target=connect, name="vitforge-hang-store", daemon=True)
-        thread.start()
-        thread.join(2 * STORE_S)
-        store = outcome[0] if outcome else TimeoutError(f"no answer within {2 * STORE_S:.0f} s")
-        return self._unreachable(store) if isinstance(store, Exception) else store
+        try:
+            return connect_to_rendezvous(self.env, STORE_S)
+        except Exception as e:  # whatever it raises, the store does not answer
+            return self._unreachable(e)
 
     def _unreachable(self, error: Exception) -> None:
         """Says what an unreachable store means; None, the store there is to use."""
@@ -256,7 +243,7 @@ class Watchdog:
                       "stuck, or its host is (unless it left already)", self.env.rank, self.master_host,
                       self.env.master_addr, self.env.master_port, error)
             try:  # a frozen rank 0 records no verdict: without one the job would not requeue as hung
-                claim_exit_code(HUNG)
+                record_exit_code(HUNG, claim=True)
             except OSError as e:
                 log.error("could not write the exit code to VITFORGE_EXIT_FILE: %s", e)
         return None
@@ -282,22 +269,6 @@ class Watchdog:
                   "; ".join(f"{_ranks(ranks)}: {place}" for place, ranks in places.items()),
                   self.run.object_url("debug/"))
         return len(reports)
-
-
-def claim_exit_code(code: int) -> bool:
-    """Write `code` to VITFORGE_EXIT_FILE, when it is set, unless a verdict is there already (the
-    file is created exclusively: of the ranks that find rank 0 stuck, the first one's write stands,
-    and rank 0's own verdict, which overwrites, stays where it came first). True when written."""
-    verdict = os.environ.get("VITFORGE_EXIT_FILE")
-    if not verdict:
-        return False
-    try:
-        fd = os.open(verdict, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except FileExistsError:
-        return False
-    with os.fdopen(fd, "w") as f:
-        f.write(f"{code}\n")
-    return True
 
 
 def _ranks(ranks: list[int]) -> str:
