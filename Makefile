@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench lock clean system-packages gpu-wheels azurite mlflow-server
+.PHONY: setup demo test test-quick coverage bench lock clean system-packages gpu-wheels azurite mlflow-server ds-ops
 
 setup: $(STAMP)
 
@@ -48,10 +48,44 @@ $(MLFLOW_SERVER)/.installed: ci/mlflow-server.txt
 	$(MLFLOW_SERVER)/bin/pip install --quiet -r ci/mlflow-server.txt
 	touch $@
 
-# The four set-up steps download and install in parallel (about a minute less on 2 cores than in turn).
+# DeepSpeed's shm op, JIT-built once into the venv's cache (about 35 s on 2 cores) before the suite
+# starts, so no test pays for it and parallel workers never wait on one build. The same environment
+# as every test launch (tests/common/cli.py EXTENSIONS): the venv's ninja first on PATH.
+DS_OPS := $(VENV)/torch_extensions/.built
+ds-ops: $(DS_OPS)
+$(DS_OPS): $(STAMP)
+	TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/torch_extensions PATH=$(abspath $(VENV))/bin:$$PATH OMP_NUM_THREADS=1 \
+		$(PY) -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" >/dev/null
+	touch $@
+
+# pytest-xdist workers. Most of the suite waits (SLURM polls, requeues, leases, timeouts), so more
+# workers than the 2 cores; the tests of the one multi-host cluster share one worker (conftest.py).
+TEST_WORKERS ?= 4
+PYTEST := $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup --durations=30
+
+# The set-up steps download and install in parallel (about a minute less on 2 cores than in turn).
 test:
 	$(MAKE) --no-print-directory -j4 setup system-packages azurite mlflow-server
-	$(PY) -m pytest -q --durations=30 tests
+	$(MAKE) --no-print-directory ds-ops
+	$(PYTEST) tests
+
+# Between changes: the in-process tests (tests/unit), no server, no cluster, a few minutes.
+test-quick: setup
+	$(PY) -m pytest -q -n 2 tests/unit
+
+# Line and branch coverage of the product in every Python process the tests start (ci/coverage.rc:
+# xdist's workers, the CLI, torchrun's ranks, SLURM jobs), per module; .venv/coverage/coverage.json
+# for ci/coverage_compare.py (per package, and every module that lost covered lines).
+coverage:
+	$(MAKE) --no-print-directory -j4 setup system-packages azurite mlflow-server
+	$(MAKE) --no-print-directory ds-ops
+	rm -rf $(VENV)/coverage && mkdir -p $(VENV)/coverage
+	COVERAGE_DIR=$(abspath $(VENV))/coverage $(PY) -m coverage run --rcfile=ci/coverage.rc -m pytest -q \
+		-p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup tests || true
+	COVERAGE_DIR=$(abspath $(VENV))/coverage $(PY) -m coverage combine --quiet --rcfile=ci/coverage.rc
+	COVERAGE_DIR=$(abspath $(VENV))/coverage $(PY) -m coverage json --quiet --rcfile=ci/coverage.rc \
+		-o $(VENV)/coverage/coverage.json
+	$(PY) ci/coverage_compare.py $(VENV)/coverage/coverage.json
 
 bench: setup
 	PYTHON=$(PY) benchmarks/run_all.sh

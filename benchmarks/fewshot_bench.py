@@ -1,6 +1,7 @@
 """The few-shot probe's solver against scikit-learn's ridge classifiers, on ViT-H/14-sized features.
 
     python benchmarks/fewshot_bench.py [--classes 1000] [--shots 25] [--dim 1280] [--test 10000]
+        [--e2e-images 1000] [--e2e-shots 1,5,10,25] [--corpus-images 4000] [--work bench-out]
 
 Features: per class a random centre plus noise, float32, `classes` x `shots` training rows and
 `test` test rows of width `dim` (ViT-H/14's pre-logits: 1,280). Every side runs in its own
@@ -19,8 +20,8 @@ same procedure, so the last pair compares costs of choosing, not identical work;
 float32, scikit-learn in float64.
 Then the evaluator end to end on the tiny model (vit_tiny_cpu, random weights, 64 px), one process:
 features of `--e2e-images` images of loader_bench's JPEG corpus for each split (decode, eval
-resize and crop, forward), the gather, and 1/5/10/25-shot plus kNN. Both splits are subsets of the
-same corpus (different seeds): a cost figure, not an accuracy.
+resize and crop, forward), the gather, and 1/5/10/25-shot (`--e2e-shots`) plus kNN. Both splits
+are subsets of the same corpus (different seeds): a cost figure, not an accuracy.
 Goal: the one-regulariser solve at least as fast as RidgeClassifier, and under 10 s for 1,000
 classes x 25 shots at width 1,280 on 2 cores.
 """
@@ -30,12 +31,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from benchmarks.common import run_child  # noqa: E402
 
 RUNNER = r'''
 import json, resource, sys, time
@@ -88,7 +90,7 @@ from vitforge.trainer import build_model, get_objective
 from vitforge.trainer.config import EvalConfig
 from vitforge.trainer.probe_eval import ProbeSet, gather_rows, probe_metrics, split_features
 
-shards, images = sys.argv[1], int(sys.argv[2])
+shards, images, shots = sys.argv[1], int(sys.argv[2]), [int(k) for k in sys.argv[3].split(",")]
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
 dist.init_process_group("gloo", rank=0, world_size=1)
 loaders = [build_loader(LoaderSpec(shards, batch_size=64, image_size=64, train=False, backend="torch",
@@ -96,12 +98,12 @@ loaders = [build_loader(LoaderSpec(shards, batch_size=64, image_size=64, train=F
            for seed in (0, 1)]
 model = build_model("vit_tiny_cpu", loaders[0].index.num_classes, 64).eval()
 objective = get_objective("classification")
-cfg = EvalConfig(probes={"corpus": {"train": shards, "test": shards}}, fewshot=[1, 5, 10, 25], knn=20)
+cfg = EvalConfig(probes={"corpus": {"train": shards, "test": shards}}, fewshot=shots, knn=20)
 probe = ProbeSet("corpus", *loaders, loaders[0].index.num_classes, loaders[0].index.classes)
 start = time.perf_counter()
 gathered = [gather_rows(*split_features(model, loader, objective, None)) for loader in loaders]
 features = time.perf_counter() - start
-metrics = probe_metrics(probe, *gathered, cfg)
+metrics, _ = probe_metrics(probe, *gathered, cfg, torch.device("cpu"))
 total = time.perf_counter() - start
 print(json.dumps({"seconds": total, "features": features, "solve": total - features,
                   "memory": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -110,9 +112,8 @@ print(json.dumps({"seconds": total, "features": features, "solve": total - featu
 
 
 def run_side(side: str, args) -> dict:
-    out = subprocess.run([sys.executable, "-c", RUNNER, side, str(args.classes), str(args.shots), str(args.dim),
-                          str(args.test)], check=True, capture_output=True, text=True, cwd=REPO,
-                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    out = run_child([sys.executable, "-c", RUNNER, side, str(args.classes), str(args.shots), str(args.dim),
+                     str(args.test)], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -123,7 +124,9 @@ def main() -> int:
     p.add_argument("--dim", type=int, default=1280)
     p.add_argument("--test", type=int, default=10000, help="test rows (rounded to a multiple of the classes)")
     p.add_argument("--e2e-images", type=int, default=1000, help="images per split end to end (0: skip)")
+    p.add_argument("--e2e-shots", default="1,5,10,25", help="the shots end to end (each class needs as many images)")
     p.add_argument("--work", default=str(REPO / "bench-out"), help="where loader_bench's corpus is (made if absent)")
+    p.add_argument("--corpus-images", type=int, default=4000, help="JPEGs in that corpus, when it is made here")
     args = p.parse_args()
     print(f"few-shot probe: {args.classes} classes x {args.shots} shots = {args.classes * args.shots} rows of width "
           f"{args.dim}, {args.test} test rows, {os.cpu_count()} CPUs")
@@ -141,9 +144,9 @@ def main() -> int:
     print(f"regulariser chosen: vitforge {grid:.2f}x the speed of RidgeClassifierCV (for comparison); "
           f"{results['vitforge-grid']['seconds']:.2f} s")
     if args.e2e_images:
-        shards = loader_corpus(Path(args.work))
-        out = subprocess.run([sys.executable, "-c", END_TO_END, str(shards), str(args.e2e_images)], check=True,
-                             capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+        shards = loader_corpus(Path(args.work), args.corpus_images)
+        out = run_child([sys.executable, "-c", END_TO_END, str(shards), str(args.e2e_images), args.e2e_shots], cwd=REPO,
+                        env={**os.environ, "PYTHONPATH": str(REPO)})
         e2e = json.loads(out.stdout.strip().splitlines()[-1])
         print(f"end to end, vit_tiny_cpu at 64 px, {args.e2e_images} images per split, 1 process: "
               f"{e2e['seconds']:.2f} s (features {e2e['features']:.2f} s, probes {e2e['solve']:.2f} s), peak RSS "
@@ -151,15 +154,15 @@ def main() -> int:
     return 0
 
 
-def loader_corpus(work: Path) -> Path:
-    """loader_bench's sharded corpus (4,000 JPEGs about 500x375 in 20 classes), made once."""
+def loader_corpus(work: Path, images: int) -> Path:
+    """loader_bench's sharded corpus (4,000 JPEGs about 500x375 in 20 classes by default), made once."""
     from benchmarks.shard_bench import make_corpus
 
     shards = work / "loader-shards"
     if not (shards / "dataset.json").exists():
-        make_corpus(work / "corpus", 4000)
-        subprocess.run([sys.executable, "-m", "vitforge", "shard", str(work / "corpus"), str(shards),
-                        "--shard-bytes", "64MiB"], check=True, cwd=REPO, capture_output=True)
+        make_corpus(work / "corpus", images)
+        run_child([sys.executable, "-m", "vitforge", "shard", str(work / "corpus"), str(shards),
+                   "--shard-bytes", "64MiB"], cwd=REPO)
     return shards
 
 

@@ -19,6 +19,9 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from benchmarks.common import run_child  # noqa: E402
 
 
 def run_recipe(sets: list[str], work: str, run_name: str, timeout: float, label: str) -> tuple[list[dict], str] | None:
@@ -69,8 +72,8 @@ def collectives(timeout: float) -> dict:
     with tempfile.TemporaryDirectory() as work:
         # A small real dataset (the synthetic source is ImageNet-sized: its evaluation would take minutes)
         write_class_folders(f"{work}/images", num_classes=10, per_class=8, size=(40, 40))
-        subprocess.run([sys.executable, "-m", "vitforge", "shard", f"{work}/images", f"{work}/shards"], cwd=REPO,
-                       check=True, capture_output=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO)})
+        run_child([sys.executable, "-m", "vitforge", "shard", f"{work}/images", f"{work}/shards"], cwd=REPO,
+                  timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO)})
         sets = [f"data.train={work}/shards", f"data.val={work}/shards", "data.backend=torch", "data.workers=0",
                 "model.name=vit_tiny_cpu", "model.image_size=32", "train.micro_batch=8", "train.global_batch=8",
                 "train.log_every=2", "optimizer.warmup_steps=1", "train.precision=fp32", f"checkpoint.dir={work}"]

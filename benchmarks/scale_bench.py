@@ -32,13 +32,14 @@ import json
 import math
 import os
 import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from benchmarks.common import run_child  # noqa: E402
 
 PAPER = {"samples": 300_000_000, "shards": 30_000, "ranks": 512, "ranks_per_node": 8}
 SHARD_SAMPLES = PAPER["samples"] // PAPER["shards"]
@@ -255,10 +256,7 @@ def measure(step: str, work: Path, scale: float) -> dict:
     # Freed buffers go back to the system at once (glibc keeps up to 32 MB of them otherwise), so
     # every path's peak is what it holds, not what the allocator kept: the same for old and new.
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(2**20)}
-    result = subprocess.run([sys.executable, __file__, "--one", step, "--scale", repr(scale), "--work", str(work)],
-                            capture_output=True, text=True, check=False, env=env)
-    if result.returncode != 0:
-        raise SystemExit(f"{step} at scale {scale} failed:\n{result.stderr[-3000:]}")
+    result = run_child([sys.executable, __file__, "--one", step, "--scale", repr(scale), "--work", str(work)], env=env)
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 

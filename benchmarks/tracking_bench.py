@@ -26,7 +26,6 @@ import os
 import re
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,6 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.common import run_child  # noqa: E402
 from benchmarks.train_bench import ENV, _port  # noqa: E402
 from vitforge.testing.local_mlflow import start_local_mlflow  # noqa: E402
 
@@ -65,11 +65,8 @@ def run_variant(name: str, args, work: str, env: dict) -> dict:
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     os.makedirs(os.path.join(work, run))  # W&B's folder too
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    result = subprocess.run(cmd, env={**ENV, **env, **extra, "WANDB_DIR": os.path.join(work, run), "PATH": path},
-                            cwd=REPO, capture_output=True, text=True)
+    run_child(cmd, env={**ENV, **env, **extra, "WANDB_DIR": os.path.join(work, run), "PATH": path}, cwd=REPO)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if result.returncode != 0:
-        raise SystemExit(f"{name}: vitforge train exited {result.returncode}:\n{result.stderr[-3000:]}")
     rows = [json.loads(line) for line in Path(work, run, "metrics.jsonl").read_text().splitlines()]
     batch = 16 * args.nproc
     steps = [batch / r["images_per_s"] for r in rows if "images_per_s" in r and r["step"] > args.warmup]

@@ -12,12 +12,15 @@ import argparse
 import json
 import os
 import socket
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from benchmarks.common import run_child  # noqa: E402
+
 ENV = {**os.environ, "TORCH_EXTENSIONS_DIR": str(REPO / ".venv" / "torch_extensions"), "OMP_NUM_THREADS": "1",
        "PYTHONPATH": str(REPO)}
 
@@ -59,9 +62,8 @@ def main() -> int:
     p.add_argument("--nproc", type=int, default=2)
     args = p.parse_args()
     run = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc)]
-    bare = subprocess.run(run + ["--master_port", _port(), "--no-python", sys.executable, "-c", BARE,
-                                 str(args.steps), str(args.warmup)],
-                          env=ENV, cwd=REPO, capture_output=True, text=True, check=True)
+    bare = run_child(run + ["--master_port", _port(), "--no-python", sys.executable, "-c", BARE,
+                            str(args.steps), str(args.warmup)], env=ENV, cwd=REPO)
     bare_rate = json.loads(bare.stdout.strip().splitlines()[-1])["images_per_s"]
     with tempfile.TemporaryDirectory() as tmp:
         sets = ["data.train=synthetic", "model.name=vit_small_cpu", "model.num_classes=1000", "model.image_size=32",
@@ -71,7 +73,7 @@ def main() -> int:
         cmd = run + ["--master_port", _port(), "-m", "vitforge", "train", "tiny_cpu"]
         for item in sets:
             cmd += ["--set", item]
-        subprocess.run(cmd, env=ENV, cwd=REPO, capture_output=True, text=True, check=True)
+        run_child(cmd, env=ENV, cwd=REPO)
         logged = [json.loads(line) for line in Path(tmp, "bench", "metrics.jsonl").read_text().splitlines()]
     windows = [m for m in logged if m["step"] > args.warmup]  # the same steps the bare loop times
     ours = len(windows) / sum(1 / m["images_per_s"] for m in windows)  # harmonic mean of equal windows

@@ -34,6 +34,11 @@ def submit(script_path: str, after_ok: str | None = None) -> str:
     return _run(["sbatch", "--parsable", *dependency, script_path]).strip().split(";")[0]
 
 
+# The states of a job that will not run again (SLURM's own names); CONFIGURING, COMPLETING,
+# REQUEUED and the like pass.
+JOB_ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
+
+
 def job_info(job: str) -> dict[str, str]:
     """`scontrol show job` as a dict (JobState, Restarts, ExitCode, StdOut, ...). Older SLURMs
     name the requeue count RestartCnt; it is given as Restarts either way."""

@@ -8,7 +8,7 @@ scheme registers with `register_store`, or from another installed package throug
 group `vitforge.stores` (name: the scheme; value: "module:opener"), the way Python packages
 declare plugins.
 
-What every implementation guarantees (tests/test_store_contract.py runs one suite against each):
+What every implementation guarantees (tests/integration/test_store_contract.py runs one suite against each):
 - writes are all or nothing: a reader sees the old object or the whole new one, never a part;
 - `put_if` is a compare-and-swap on the object's version (None: create only if absent), raising
   PreconditionFailed when another writer got there first;

@@ -3,7 +3,7 @@ the GCS and Azure Blob emulators, an MLflow tracking server), used by the tests,
 the benchmarks.
 
 No product package (core, shards, pipeline, trainer, cluster) imports this package: production code
-never depends on a stand-in (tests/test_units.py checks it). Only the `vitforge` front-end's `demo`
+never depends on a stand-in (tests/unit/test_units.py checks it). Only the `vitforge` front-end's `demo`
 command (importing it inside the function that needs it), tests/ and benchmarks/ do.
 """
 

@@ -62,8 +62,10 @@ def local_slurm_missing() -> str | None:
     return None
 
 
-def start_local_slurm(folder: Path) -> dict:
-    """Start slurmctld and slurmd; return the environment ({"SLURM_CONF": ...}) that reaches them."""
+def start_local_slurm(folder: Path, first_job_id: int = 1) -> dict:
+    """Start slurmctld and slurmd; return the environment ({"SLURM_CONF": ...}) that reaches them.
+    `first_job_id`: where job ids start. A job's rendezvous port derives from its id, so private
+    SLURMs side by side on one machine (one per test worker) number their jobs apart."""
     why = local_slurm_missing()
     if why:
         raise RuntimeError(f"cannot start a local SLURM: {why}")
@@ -83,6 +85,7 @@ SlurmctldPidFile={folder}/slurmctld.pid
 SlurmdPidFile={folder}/slurmd.pid
 SlurmctldLogFile={folder}/log/slurmctld.log
 SlurmdLogFile={folder}/log/slurmd.log
+FirstJobId={first_job_id}
 {LOCAL_SLURM_SETTINGS}GresTypes=gpu
 NodeName={host} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} RealMemory={memory_mib} Gres=gpu:testgpu:2 State=UNKNOWN
 PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP

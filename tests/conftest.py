@@ -1,62 +1,64 @@
-"""Shared fixtures: generated corpora, the CLI as a subprocess, a real S3 server on loopback."""
+"""Shared fixtures: generated corpora, and the real servers the tests need (S3, GCS, Azure,
+SLURM, the multi-host cluster), each started once per test process; markers from what a test uses.
+
+Layout: tests/unit holds in-process tests that start no server and no cluster (`make test-quick`),
+tests/integration everything that runs the CLI, training or a real service; tests/common is the
+equipment both share. Every test is marked by the services its fixtures start (slurm, cluster, s3,
+gcs, azure, mlflow), so `-m "not cluster and not slurm"` and the like combine with `-m "not slow"`.
+"""
 
 from __future__ import annotations
 
-import json
+import ast
 import os
-import subprocess
-import sys
-import tarfile
+import threading
 import uuid
 from pathlib import Path
 
 import pytest
-import torch
 
-from faulty_proxy import FaultSchedule, start_proxy
-from vitforge.core import free_port
+from common.cli import STRAIGHT, train, vitforge
+from common.faulty_proxy import FaultSchedule, start_proxy
+from common.once import built_once
+from common.services import start_or_fail
+from common.checks import SECRET
 from vitforge.synthetic import write_class_folders
 from vitforge.testing import start_local_s3, start_local_slurm, stop_local_slurm
 
-REPO = Path(__file__).resolve().parent.parent
+# CPython 3.11's parser is not thread-safe (gh-106905): pytest formatting a failure while another
+# thread's traceback is drawn (3.11's traceback module parses source lines for its ^^^ markers)
+# can end the whole run with "SystemError: AST constructor recursion depth mismatch" and lose the
+# failure's message. Both look ast.parse up at each call, so one lock here serialises them.
+_parse_lock = threading.Lock()
+_parse = ast.parse
 
 
-def vitforge(*args: str, env: dict | None = None, check: bool = True, timeout: float = 300,
-             prefix: list[str] | None = None) -> subprocess.CompletedProcess:
-    """Run the real CLI in a fresh process, as a user would, with the venv's DeepSpeed op cache
-    (EXTENSIONS): a command that starts a process group (eval, train) would otherwise JIT-build the
-    shm op again in ~/.cache, 30-40 s, whenever the ninja on PATH differs from the last build's."""
-    cmd = (prefix or []) + [sys.executable, "-m", "vitforge", *map(str, args)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                            env={**os.environ, **EXTENSIONS, **(env or {})}, cwd=REPO)
-    if check and result.returncode != 0:
-        raise AssertionError(f"{cmd} exited {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}")
-    return result
+def _serial_parse(*args, **kwargs):
+    with _parse_lock:
+        return _parse(*args, **kwargs)
 
 
-def tree_bytes(root: Path) -> dict[str, bytes]:
-    """Every file under root (relative path -> bytes): the whole output, compared byte for byte."""
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+ast.parse = _serial_parse
+
+# torch.compile in the test processes too: kernels built in-process (see EXTENSIONS, common/cli.py).
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+# A test's fixtures (their whole closure) -> the markers it gets: what it starts, so it can be selected.
+SERVICE_MARKERS = {"slurm": "slurm", "cluster": "cluster", "s3_server": "s3", "gcs_server": "gcs",
+                   "azure_server": "azure", "mlflow_server": "mlflow"}
 
 
-def dataset_samples(out: Path) -> list[dict]:
-    """Every sample of a sharded dataset, read with tarfile: key, info (json), cls (None when it has
-    none), ext, image bytes."""
-    manifest = json.loads((out / "dataset.json").read_text())
-    samples = []
-    for shard in manifest["shards"]:
-        with tarfile.open(out / shard["name"]) as tar:
-            members = {m.name: tar.extractfile(m).read() for m in tar if m.isfile()}
-        by_key: dict[str, dict] = {}
-        for name, data in members.items():
-            key, ext = name.split(".", 1)
-            by_key.setdefault(key, {"key": key})[ext] = data
-        for key, sample in by_key.items():
-            ext = next(e for e in ("jpg", "png", "webp") if e in sample)
-            cls = int(sample["cls"]) if "cls" in sample else None
-            samples.append({"key": key, "info": json.loads(sample["json"]), "cls": cls,
-                            "ext": ext, "image_bytes": sample[ext]})
-    return samples
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the group
+def pytest_collection_modifyitems(config, items):
+    tests = Path(__file__).parent
+    for item in items:
+        suite = Path(item.fspath).relative_to(tests).parts[0]
+        if suite in ("unit", "integration"):
+            item.add_marker(suite)
+        for fixture in set(item.fixturenames) & SERVICE_MARKERS.keys():
+            item.add_marker(SERVICE_MARKERS[fixture])
+        if "cluster" in item.fixturenames:  # one multi-host cluster per run: its tests share one worker
+            item.add_marker(pytest.mark.xdist_group("cluster"))
 
 
 @pytest.fixture(scope="session")
@@ -69,10 +71,7 @@ def small_corpus(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     """A real S3-API server (SeaweedFS `weed mini`) on 127.0.0.1, for this test session only."""
-    try:
-        server = start_local_s3(str(tmp_path_factory.mktemp("seaweed")))
-    except RuntimeError as e:
-        pytest.fail(str(e))
+    server = start_or_fail(start_local_s3, tmp_path_factory, "seaweed")
     env = {**server.env, "AWS_ACCESS_KEY_ID": "test-key-id", "AWS_SECRET_ACCESS_KEY": "test-secret"}
     yield {"endpoint": server.endpoint, "env": env, "client": server.client()}
     server.stop()
@@ -86,13 +85,6 @@ def s3_env(s3_server, monkeypatch):
     return s3_server["env"]
 
 
-# The JIT-built DeepSpeed shm op is cached with the venv: built once (about 30 s), then reused. The
-# venv's ninja comes first on PATH for every run, as in a SLURM job that activates the venv: ninja
-# 1.11 (Debian) and 1.13 (the venv) hash .ninja_log differently, and each switch rebuilds the op.
-EXTENSIONS = {"TORCH_EXTENSIONS_DIR": str(REPO / ".venv" / "torch_extensions"), "OMP_NUM_THREADS": "1",
-              "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-
-
 @pytest.fixture(scope="session")
 def data(tmp_path_factory):
     """A learnable 10-class corpus: train and a held-out val set, sharded."""
@@ -104,54 +96,30 @@ def data(tmp_path_factory):
     return root
 
 
-def train_args(data, run: str, *overrides: str, store: str | None = None) -> list[str]:
-    args = ["tiny_cpu", "--set", f"data.train={data / 'train'}", "--set", f"data.val={data / 'val'}",
-            "--set", f"checkpoint.dir={store or data / 'runs'}", "--set", f"checkpoint.run={run}",
-            "--set", "data.backend=torch", "--set", "data.workers=0"]
-    for item in overrides:
-        args += ["--set", item]
-    return args
-
-
-def train(data, run: str, *overrides: str, nproc: int = 2, check: bool = True, store: str | None = None,
-          env: dict | None = None, timeout: float = 600):
-    """`vitforge train` under torchrun with `nproc` ranks (gloo on CPU)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-           str(free_port()), "-m", "vitforge", "train", *train_args(data, run, *overrides, store=store)]
-    result = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=timeout,
-                            env={**os.environ, **EXTENSIONS, **(env or {})})
-    if check and result.returncode != 0:
-        raise AssertionError(f"training failed:\n{result.stderr[-4000:]}")
-    return result
-
-
-# The uninterrupted reference of the exact-resume tests: every run stopped and resumed with these
-# settings must end equal to it, losses and weights.
-STRAIGHT = ["train.steps=24", "train.log_every=1", "train.checkpoint_every=6", "data.val=null",
-            "checkpoint.keep_last=10"]
+@pytest.fixture(scope="session")
+def straight(data, tmp_path_factory, worker_id):
+    """The reference run (STRAIGHT: 24 steps, 2 ranks, ZeRO-2, local folder), trained once per run
+    (tests/common/once.py) for every test that compares with it or needs a finished run: every
+    worker's `data` holds the same shards, so the one run serves them all."""
+    runs = built_once(tmp_path_factory, worker_id, "straight-runs",
+                      lambda folder: train(data, "straight", *STRAIGHT, store=str(folder)))
+    return runs / "straight"
 
 
 @pytest.fixture(scope="session")
-def straight(data):
-    """The reference run (STRAIGHT: 24 steps, 2 ranks, ZeRO-2, local folder), trained once per
-    session for every test that compares with it or needs a finished run."""
-    train(data, "straight", *STRAIGHT)
-    return data / "runs" / "straight"
+def zero_run(data, tmp_path_factory, worker_id):
+    """stage -> a finished 60-step run of ZeRO-`stage` on 2 ranks, evaluated at its end, trained
+    once per pytest run (tests/common/once.py) for the tests that read one (test_trainer,
+    test_scale_weights): its folder."""
+    def run(stage: int):
+        name = f"zero{stage}"
 
+        def train_it(folder):
+            train(data, name, f"train.zero_stage={stage}", "train.steps=60", "train.eval_every=60",
+                  "train.log_every=1", store=str(folder))
 
-def start_ranks(data, run: str, *overrides: str, nproc: int = 2, store: str | None = None,
-                env: dict | None = None) -> list[subprocess.Popen]:
-    """The ranks as srun starts them: one plain process each, RANK/WORLD_SIZE/MASTER_* set, so a
-    test can signal one rank and read each rank's own exit code."""
-    port = free_port()
-    processes = []
-    for rank in range(nproc):
-        rank_env = {**os.environ, **EXTENSIONS, **(env or {}), "RANK": str(rank), "WORLD_SIZE": str(nproc),
-                    "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        processes.append(subprocess.Popen(
-            [sys.executable, "-m", "vitforge", "train", *train_args(data, run, *overrides, store=store)],
-            cwd=REPO, env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    return processes
+        return built_once(tmp_path_factory, worker_id, f"{name}-runs", train_it) / name
+    return run
 
 
 @pytest.fixture
@@ -159,9 +127,6 @@ def bucket(s3_server):
     name = "vf-" + uuid.uuid4().hex[:12]
     s3_server["client"].create_bucket(Bucket=name)
     return name
-
-
-SECRET = "sEcReT-" + uuid.uuid4().hex  # must never appear in any output
 
 
 @pytest.fixture
@@ -177,12 +142,14 @@ def faulty(s3_server):
 
 
 @pytest.fixture(scope="session")
-def slurm(tmp_path_factory):
-    """A real SLURM controller and node on localhost, for this test session."""
-    try:
-        env = start_local_slurm(tmp_path_factory.mktemp("slurm"))
-    except RuntimeError as e:
-        pytest.fail(str(e))
+def slurm(tmp_path_factory, worker_id):
+    """A real SLURM controller and node on localhost, for this test session. Each xdist worker's
+    numbers its jobs from its own thousand (gw0 from 1001, gw1 from 2001; the demo's own SLURM
+    from 1): a job's rendezvous port is 20000 + its id, and two jobs 1 on one machine, a
+    requeued job's ranks among them, collided (EADDRINUSE, exit 70)."""
+    worker = int(worker_id.removeprefix("gw")) if worker_id != "master" else 0
+    env = start_or_fail(lambda folder: start_local_slurm(folder, first_job_id=1001 + 1000 * worker),
+                        tmp_path_factory, "slurm")
     yield env
     stop_local_slurm(env)
 
@@ -190,8 +157,8 @@ def slurm(tmp_path_factory):
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory):
     """ctl (slurmctld, the login host), store (S3) and node1..node3 (a slurmd each): separate hosts
-    made of Linux namespaces (tests/cluster_harness.py), built once and shared by every multi-host test."""
-    import cluster_harness
+    made of Linux namespaces (tests/common/cluster_harness.py), built once and shared by every multi-host test."""
+    from common import cluster_harness
 
     why = cluster_harness.missing()
     if why:
@@ -204,36 +171,13 @@ def cluster(tmp_path_factory):
         cluster_harness.down(built)
 
 
-def losses(folder) -> dict[int, float]:
-    lines = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    steps = [m["step"] for m in lines if "loss" in m]
-    assert len(steps) == len(set(steps)), f"duplicated steps in metrics.jsonl: {steps}"
-    return {m["step"]: m["loss"] for m in lines if "loss" in m}
-
-
-def weights(url: str) -> dict:
-    import tempfile
-
-    from vitforge.trainer.export import consolidate
-
-    with tempfile.TemporaryDirectory() as scratch:
-        return consolidate(url, scratch, prefer_ema=False).state
-
-
-def assert_same_weights(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
 @pytest.fixture(scope="session")
 def gcs_server(tmp_path_factory):
     """fake-gcs-server on 127.0.0.1 for this session: its client environment, and `make_bucket()`
     creating a fresh bucket there. A server that died says so, with its log, at the next bucket."""
     from vitforge.testing import start_local_gcs
 
-    try:
-        server = start_local_gcs(str(tmp_path_factory.mktemp("fake-gcs")))
-    except RuntimeError as e:
-        pytest.fail(str(e))
+    server = start_or_fail(start_local_gcs, tmp_path_factory, "fake-gcs")
     yield {"env": server.env, "make_bucket": lambda: server.make_bucket("vf-" + uuid.uuid4().hex[:12]),
            "server": server}
     server.stop()
@@ -245,10 +189,7 @@ def azure_server(tmp_path_factory):
     connection string), and `make_bucket()` creating a fresh container there."""
     from vitforge.testing import start_local_azure
 
-    try:
-        server = start_local_azure(str(tmp_path_factory.mktemp("azurite")))
-    except RuntimeError as e:
-        pytest.fail(str(e))
+    server = start_or_fail(start_local_azure, tmp_path_factory, "azurite")
 
     def make_bucket() -> str:
         name = "vf-" + uuid.uuid4().hex[:12]

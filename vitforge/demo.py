@@ -30,7 +30,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from vitforge.cluster import cancel, job_info
+from vitforge.cluster import JOB_ENDED, cancel, job_info
 from vitforge.core import errors, free_port, open_store
 from vitforge.core.cli_args import bounded, positive_int
 
@@ -247,15 +247,15 @@ class Progress:
         return latest
 
 
-def _wait_for_step(progress: Progress, step: int, alive, timeout: float = 900) -> None:
+def _wait_for_step(progress: Progress, step: int, ended, timeout: float = 900) -> None:
     """Poll the metrics often (a tiny model takes a few seconds for the second half of its run),
-    and whether the training is still alive now and then."""
+    and now and then whether the training has ended: `ended()` says how, or None while it runs."""
     checked = time.monotonic()
     deadline = checked + timeout
     while progress.step() < step:
         if time.monotonic() - checked > 5:
-            if not alive():
-                raise DemoError("training ended before the demo could interrupt it")
+            if how := ended():
+                raise DemoError(f"training ended before the demo could interrupt it at step {step}: {how}")
             checked = time.monotonic()
         if time.monotonic() > deadline:
             raise DemoError(f"training did not reach step {step} in {timeout:.0f} s")
@@ -281,7 +281,8 @@ def _train_direct(demo: Demo) -> None:
                 ranks.append(subprocess.Popen([sys.executable, "-m", "vitforge", *command], stdout=log,
                                               stderr=subprocess.STDOUT, env=env))
         if attempt == 1:
-            _wait_for_step(progress, demo.steps // 3, lambda: all(r.poll() is None for r in ranks))
+            _wait_for_step(progress, demo.steps // 3, lambda: any(r.poll() is not None for r in ranks) and
+                           f"the ranks exited {[r.poll() for r in ranks]}; logs: {', '.join(logs)}")
             print(f"  sending SIGUSR1 to both ranks at step {progress.step()} (as a preemption would)", flush=True)
             for r in ranks:
                 r.send_signal(signal.SIGUSR1)
@@ -312,20 +313,20 @@ def _train_slurm(demo: Demo):
         submitted = demo.vitforge("submit", "tiny_cpu", "--set", "name=vitforge-demo", "--set",
                                   f"log_dir={demo.path('slurm-logs')}", *venv, "--set", f"train.overrides={overrides}")
         job = submitted.stdout.split("submitted job ")[1].split(":")[0]
-        _wait_for_step(progress, demo.steps // 3, lambda: _job_state(job)[0] in ("PENDING", "RUNNING"))
+        log_path = demo.path("slurm-logs", f"vitforge-demo-{job}.out")
+        _wait_for_step(progress, demo.steps // 3, lambda: _job_ended(job, log_path))
         # In this process: a command's start-up (about 2 s on a busy machine) is a tenth of the run.
         print(f"  step {progress.step()}: sending SIGUSR1 to the job, as a preemption or its time limit would "
               f"(`vitforge cancel {job} --signal USR1`)", flush=True)
         cancel(job, "USR1")
         deadline = time.monotonic() + 900
-        while (state := _job_state(job))[0] not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
+        while (state := _job_state(job))[0] not in JOB_ENDED:
             if time.monotonic() > deadline:
                 raise DemoError(f"job {job} did not finish in 15 minutes: {state}")
             progress.step()
             time.sleep(1)
         progress.step()
         log = demo.vitforge("logs", job, quiet=True).stdout
-        log_path = demo.path("slurm-logs", f"vitforge-demo-{job}.out")
         if state[0] != "COMPLETED":
             raise DemoError(f"job {job} ended {state[0]}; its log {log_path}:\n{log[-3000:]}")
         print(f"  job {job} COMPLETED after {state[1]} requeue(s)", flush=True)
@@ -335,6 +336,15 @@ def _train_slurm(demo: Demo):
         stop_local_slurm(slurm_env)
         raise
     return lambda: stop_local_slurm(slurm_env)
+
+
+def _job_ended(job: str, log_path: str) -> str | None:
+    """How a job ended (its state and the end of its log), or None while it may still run."""
+    state = _job_state(job)[0]
+    if state not in JOB_ENDED:
+        return None
+    tail = open(log_path).read()[-3000:] if os.path.exists(log_path) else "(no log)"
+    return f"job {job} is {state}; its log {log_path} ends:\n{tail}"
 
 
 def _job_state(job: str) -> tuple[str, int]:

@@ -1,0 +1,80 @@
+"""Every benchmark at its smallest size, run as `make bench` runs it (a fresh process from the repo
+root): it exits 0 and prints its goal lines, the ones benchmarks/summarise.py reads. Correctness
+only: a smoke-sized run's figures mean nothing, so none is compared with its goal."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.scale_bench import TARGETS
+from benchmarks.summarise import goal_rows
+from common.cli import EXTENSIONS, REPO  # the environment of every launch the tests make
+
+WORK = "{work}"  # replaced by the test's tmp_path
+SMOKES = {  # benchmark: (its smallest arguments, the starts of the goal lines it must print, one per line)
+    "shard_bench": (["--images", "20", "--repeat", "1", "--work", WORK],
+                    ["(a) pack-only vs tar -cf", "(b) validation scaling 2 vs 1 workers",
+                     "(c) 2 workers vs webdataset+Pillow"]),
+    "loader_bench": (["--images", "20", "--batch", "4", "--short", "6", "--long", "12", "--workers", "1",
+                      "--work", WORK],
+                     ["best CPU backend (", "decode-only floor vs best CPU backend", "images/s: dali-cpu",
+                      *["consumer at"] * 3]),
+    "train_bench": (["--steps", "3", "--warmup", "1", "--nproc", "1"], ["overhead"]),
+    # vit_small_cpu: its upload outlasts a few training steps, so (c) has steps to measure
+    "ckpt_bench": (["--model", "vit_small_cpu", "--image-size", "32", "--saves", "1", "--every", "1"],
+                   ["(a) async stall vs its own local write", "(b) upload vs raw boto3", "restore vs raw boto3",
+                    "(c) step during an upload vs alone"]),
+    "egress_bench": (["--images", "40", "--shard-samples", "5", "--work", WORK],
+                     [f"{nodes} node(s): {figure}" for nodes in (1, 2, 4)
+                      for figure in ("first-epoch egress, one order / partitioned", "partitioned first-epoch egress")]),
+    "scale_bench": (["--scales", "0.0001", "--full", "", "--work", WORK, "--json", f"{WORK}/scale.json"],
+                    [f"{step} {figure} at paper scale" for step, figures in TARGETS.items() for figure in figures]),
+    "fewshot_bench": (["--classes", "10", "--shots", "5", "--dim", "16", "--test", "50", "--e2e-images", "40",
+                       "--e2e-shots", "1", "--corpus-images", "40", "--work", WORK],
+                      ["one regulariser: vitforge"]),
+    "tracking_bench": (["--steps", "16", "--warmup", "12", "--log-every", "4", "--rounds", "1", "--nproc", "1"],
+                       ["all off", "watchdog overhead", "stragglers (every 100) overhead", "MLflow overhead",
+                        "W&B offline overhead", "profiler window, steps outside it overhead"]),
+    "store_bench": (["--mb", "1", "--repeats", "1"], []),
+    "weights_bench": (["--mb", "1", "--ranks", "2"], []),
+}
+# What the benchmarks without goals of their own print instead, and the end-to-end part of the
+# few-shot benchmark (no goal line, but the evaluator's path): a pattern per line.
+LINES = {
+    "fewshot_bench": [r"end to end, vit_tiny_cpu at 64 px, 40 images per split, .*; eval_fewshot_corpus_1shot, "
+                      r"eval_knn_corpus$"],
+    "store_bench": [rf"{backend}: 1 MB {way} +ours +[\d.]+ MB/s +sdk +[\d.]+ MB/s +ratio [\d.]+$"
+                    for backend in ("local", "s3", "gcs", "azure") for way in ("upload", "download")],
+    "weights_bench": [rf"1 MB, 2 ranks, {path} *: [\d.]+ s, peak above what a rank held \(rank 0, others\) "
+                      r"\d+ / \d+ MB$" for path in ("all_gather_object", "broadcast_object", "tensor_by_tensor")],
+}
+
+
+def run_benchmark(name: str, args: list[str], work: Path) -> subprocess.CompletedProcess:
+    # Temporary folders too (servers' data, runs, staging) go under the test's own tmp_path.
+    env = {**os.environ, **EXTENSIONS, "TMPDIR": str(work)}
+    cmd = [sys.executable, f"benchmarks/{name}.py", *(a.replace(WORK, str(work)) for a in args)]
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, (f"{cmd} exited {result.returncode}\nstdout:\n{result.stdout[-3000:]}\n"
+                                    f"stderr:\n{result.stderr[-3000:]}")
+    return result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SMOKES))
+def test_benchmark_smoke_prints_its_goal_lines(name, tmp_path):
+    args, goals = SMOKES[name]
+    out = run_benchmark(name, args, tmp_path).stdout
+    figures = [row["figure"] for row in goal_rows(name, out)]
+    for start in set(goals):
+        found = sum(figure.startswith(start) for figure in figures)
+        assert found == goals.count(start), f"{goals.count(start)} goal line(s) {start!r}, {found} in:\n{out}"
+    lines = out.splitlines()
+    for pattern in LINES.get(name, []):
+        assert any(re.match(pattern, line) for line in lines), f"no line matching {pattern!r} in:\n{out}"
