@@ -1,5 +1,10 @@
 """The CLI and training launches as a user makes them: real processes, the venv's DeepSpeed op cache.
 
+Each launch is a process of its own, forked from a zygote that has imported torch, DeepSpeed and
+timm once (tests/common/zygote.py: 4.5 of a rank's 6 s of CPU before its first step), or a fresh
+interpreter where a fork cannot stand in for one (a faketime prefix, a PYTHONPATH of the test's
+own, coverage).
+
 EXTENSIONS is the environment every launch adds: the JIT-built DeepSpeed shm op is cached with the
 venv (built once, about 30 s, by `make test` before the suite starts), and the venv's ninja comes
 first on PATH, as in a SLURM job that activates the venv: ninja 1.11 (Debian) and 1.13 (the venv)
@@ -20,6 +25,8 @@ from pathlib import Path
 
 from vitforge.core import free_port
 
+from .zygote import Zygote, usable
+
 REPO = Path(__file__).resolve().parents[2]
 TESTS = REPO / "tests"
 
@@ -34,13 +41,40 @@ STRAIGHT = ["train.steps=24", "train.log_every=1", "train.checkpoint_every=6", "
             "checkpoint.keep_last=10"]
 
 
+_zygote: Zygote | None = None
+
+
+def launch(argv: list[str], env: dict, stdout=subprocess.PIPE, stderr=subprocess.PIPE):
+    """`python -m vitforge *argv` in REPO with the whole environment `env`: a fork of this process's
+    zygote (tests/common/zygote.py: the imports paid once) where it can be one, else a fresh
+    process. Either way a Popen-like process of its own."""
+    global _zygote
+    if _zygote is None:
+        _zygote = Zygote({**os.environ, **EXTENSIONS})
+    if usable(env, _zygote.env):
+        return _zygote.launch(argv, env, REPO, stdout, stderr)
+    return subprocess.Popen([sys.executable, "-m", "vitforge", *argv], cwd=REPO, env=env, text=True,
+                            stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr)
+
+
 def vitforge(*args: str, env: dict | None = None, check: bool = True, timeout: float = 300,
              prefix: list[str] | None = None) -> subprocess.CompletedProcess:
-    """Run the real CLI in a fresh process, as a user would, with EXTENSIONS: a command that starts
-    a process group (eval, train) would otherwise JIT-build the shm op again in ~/.cache."""
+    """Run the real CLI in a process of its own, as a user would, with EXTENSIONS: a command that
+    starts a process group (eval, train) would otherwise JIT-build the shm op again in ~/.cache.
+    With a `prefix` (faketime, a namespace host) the process is a fresh one, else a launch."""
+    env = {**os.environ, **EXTENSIONS, **(env or {})}
     cmd = (prefix or []) + [sys.executable, "-m", "vitforge", *map(str, args)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                            env={**os.environ, **EXTENSIONS, **(env or {})}, cwd=REPO)
+    if prefix:
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    else:
+        process = launch(list(map(str, args)), env)
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            raise
+        result = subprocess.CompletedProcess(cmd, process.returncode, stdout, stderr)
     if check and result.returncode != 0:
         raise AssertionError(f"{cmd} exited {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}")
     return result
@@ -102,7 +136,7 @@ def _read(file) -> str:
 
 
 def start_ranks(data, run: str, *overrides: str, nproc: int = 2, store: str | None = None, env: dict | None = None,
-                outputs: list | None = None, one_node: bool = False) -> list[subprocess.Popen]:
+                outputs: list | None = None, one_node: bool = False) -> list:
     """The ranks as srun starts them: one plain process each, RANK/WORLD_SIZE/MASTER_* set, so a
     test can signal one rank and read each rank's own exit code. Without LOCAL_WORLD_SIZE each rank
     counts as a node of its own; `one_node` sets it, as torchrun does, to make them one node.
@@ -113,8 +147,7 @@ def start_ranks(data, run: str, *overrides: str, nproc: int = 2, store: str | No
         rank_env = {**os.environ, **EXTENSIONS, **(env or {}), "RANK": str(rank), "WORLD_SIZE": str(nproc),
                     "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                     **({"LOCAL_WORLD_SIZE": str(nproc)} if one_node else {})}
-        processes.append(subprocess.Popen(
-            [sys.executable, "-m", "vitforge", "train", *train_args(data, run, *overrides, store=store)],
-            cwd=REPO, env=rank_env, text=True, stdout=outputs[rank][0] if outputs else subprocess.PIPE,
-            stderr=outputs[rank][1] if outputs else subprocess.PIPE))
+        processes.append(launch(["train", *train_args(data, run, *overrides, store=store)], rank_env,
+                                stdout=outputs[rank][0] if outputs else subprocess.PIPE,
+                                stderr=outputs[rank][1] if outputs else subprocess.PIPE))
     return processes
