@@ -8,8 +8,9 @@ takes the launch's argv, environment, working folder and stdio, and runs the sam
 as `python -m vitforge` does, as a real process of its own: its own pid to signal, its own exit
 code, its own ranks' collectives. It reads os.environ at run time as a fresh process would; what a
 fresh interpreter reads only at start (PYTHON*, a preloaded library, faketime) cannot be given to a
-fork, so such launches, and every launch under coverage (whose tracer a fork would share), start a
-fresh process as before (`usable`). What a fork shares with the zygote and a fresh process does not:
+fork, so such launches start a fresh process as before (`usable`). Under `make coverage` the zygote
+is measured as any process the tests start, and each fork measures itself from its first line
+(ci/coverage.rc: patch = fork). What a fork shares with the zygote and a fresh process does not:
 the modules already imported (a test of what a command imports starts a fresh process itself) and
 the string-hash seed (ranks forked from one zygote iterate a set of strings in one order; the ranks
 SLURM, srun and torchrun start in the cluster, kill -9 and world-size tests are fresh processes,
@@ -22,6 +23,7 @@ stdout and stderr file descriptors (SCM_RIGHTS); the zygote answers {"pid": N} o
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import selectors
@@ -36,14 +38,14 @@ import time
 # What a fork cannot take from a launch's environment: read once, when an interpreter starts or
 # when the preloaded modules import (OpenMP's and MKL's thread counts, torch's and DeepSpeed's
 # import-time settings, Hugging Face's and fsspec's configuration, CUDA's device list).
-START_ONLY = ("PYTHON", "LD_PRELOAD", "FAKETIME", "COVERAGE_PROCESS_START", "OMP_", "MKL_", "TORCH", "DS_", "HF_",
+START_ONLY = ("PYTHON", "LD_PRELOAD", "FAKETIME", "COVERAGE_", "OMP_", "MKL_", "TORCH", "DS_", "HF_",
               "CUDA_", "FSSPEC_")
 
 
 def usable(env: dict, zygote_env: dict) -> bool:
     """Whether a launch with `env` may be a fork of a zygote started with `zygote_env`."""
     names = {name for name in {*env, *zygote_env} if name.startswith(START_ONLY)}
-    return "COVERAGE_PROCESS_START" not in names and all(env.get(n) == zygote_env.get(n) for n in names)
+    return all(env.get(n) == zygote_env.get(n) for n in names)
 
 
 def _preload() -> None:
@@ -86,9 +88,13 @@ def serve(path: str) -> dict:
                 if pid == 0:
                     signal.set_wakeup_fd(-1)
                     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                    for fd in (listener.fileno(), wakeup_read, wakeup_write, *(c.fileno() for c in waiting.values())):
-                        os.close(fd)
-                    connection.close()
+                    # Closed through their objects: a socket closed by its number alone would close
+                    # that number again when collected, by then another file of the child's.
+                    selector.close()
+                    for sock in (listener, connection, *waiting.values()):
+                        sock.close()
+                    os.close(wakeup_read)
+                    os.close(wakeup_write)
                     for target, fd in enumerate(fds):
                         os.dup2(fd, target)
                         os.close(fd)
@@ -126,6 +132,7 @@ def run_child(request: dict) -> None:
     sys.stdout = open(1, "w", closefd=False)
     sys.stderr = open(2, "w", closefd=False)
     sys.argv = [sys.argv[0], *request["argv"]]
+    gc.collect()  # what the zygote left for the collector is finalised now, before the command opens a file
     import numpy
 
     numpy.random.seed()  # a fresh interpreter's numpy is seeded from the OS, not from its zygote
