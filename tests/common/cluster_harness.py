@@ -318,14 +318,23 @@ class Cluster:
             raise ValueError("ctl owns the bridge; partition another host")
         self.run("ctl", ["ip", "link", "set", f"v{name}", "up" if up else "down"], timeout=30)
 
-    def throttle(self, name: str, rate: str | None) -> None:
-        """Limit what `name` sends to `rate` (tc's token bucket on its eth0, e.g. "1mbit"), or lift
-        the limit (None): a slow link, for a fault that must land while an upload is under way."""
+    def throttle(self, name: str, rate: str | None, to: str | None = None) -> None:
+        """Limit what `name` sends to `rate` (e.g. "1mbit"), or lift the limit (None): a slow link,
+        for a fault that must land while an upload is under way. With `to` (an address) only what
+        it sends there is slowed (htb, a u32 filter), so a throttle set well ahead of an upload
+        leaves the host's collectives at full speed."""
         if rate is None:
             self.run(name, ["tc", "qdisc", "del", "dev", "eth0", "root"], check=False, timeout=30)
-        else:
+        elif to is None:
             self.run(name, ["tc", "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", rate, "burst", "32kb",
                             "latency", "60s"], timeout=30)
+        else:
+            tc = ["tc", "-batch", "-"]
+            commands = ("qdisc replace dev eth0 root handle 1: htb default 10\n"
+                        "class add dev eth0 parent 1: classid 1:10 htb rate 10gbit quantum 60000\n"
+                        f"class add dev eth0 parent 1: classid 1:30 htb rate {rate} ceil {rate} quantum 1514\n"
+                        f"filter add dev eth0 parent 1: protocol ip prio 1 u32 match ip dst {to}/32 flowid 1:30\n")
+            self.run(name, tc, input=commands, timeout=30)
 
     def kill_host(self, name: str) -> None:
         """Power loss: the link goes first (peers get no RST, no FIN), then SIGKILL to every process
