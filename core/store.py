@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
-import importlib
 import itertools
 import os
 import shutil
@@ -38,6 +37,7 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Callable, Protocol, runtime_checkable
 
+from . import registry
 from .errors import StorageError, UsageError
 from .files import PARTIAL_MARK
 from .retry import TransientError
@@ -166,15 +166,9 @@ def open_store(url: str, work_dir: str = "_work/tmp") -> Store:
     """The store rooted at `url`. `work_dir`: where a local store keeps temporaries (inside the
     store, so renames are atomic); object stores stage on local disk instead."""
     scheme = scheme_of(url)
-    if scheme not in _openers:
-        _load_entry_points()
-    opener = _openers.get(scheme)
-    if opener is None:
-        raise UsageError(f"{url}: no store for {scheme}:// (known: {', '.join(s + '://' for s in store_schemes())}; "
-                         f"a package adds one through the entry point group {ENTRY_POINT_GROUP!r})")
-    if isinstance(opener, str):
-        module, _, name = opener.partition(":")
-        opener = _openers[scheme] = getattr(importlib.import_module(module), name)
+    opener = registry.find(_openers, scheme, more=_load_entry_points, unknown=lambda known: UsageError(
+        f"{url}: no store for {scheme}:// (known: {', '.join(s + '://' for s in known)}; "
+        f"a package adds one through the entry point group {ENTRY_POINT_GROUP!r})"))
     return opener(url, work_dir)
 
 
@@ -223,8 +217,7 @@ def _load_entry_points() -> None:
     if _entry_points_loaded:
         return
     _entry_points_loaded = True
-    for point in entry_points(group=ENTRY_POINT_GROUP):
-        _openers.setdefault(point.name, point.value)
+    registry.add_entry_points(_openers, entry_points(group=ENTRY_POINT_GROUP))
 
 
 def parallel_download(store: Store, name: str, local_path: str, part_bytes: int, threads: int,

@@ -3,15 +3,19 @@
 
 A backend is registered once, by name, with a factory (timm's `register_model` pattern); the
 loader asks the registry, never compares names itself. "auto" is not a backend: `choose_backend`
-(loader.py) resolves it to a registered one.
+(loader.py) resolves it to a registered one. The built-in decoding backends are known by
+"module:factory" alone (core/registry.py), so validating a config imports neither torch nor DALI;
+an installed package adds one through the entry point group `vitforge.backends` (name: the
+backend; value: "module:factory" of a backend that reads a dataset).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Callable, Iterator, Protocol, TypedDict, runtime_checkable
 
-from vitforge.core import UsageError
+from vitforge.core import UsageError, registry
 
 if TYPE_CHECKING:  # torch is imported where a batch is made: validating a config must not load it
     import numpy as np
@@ -84,7 +88,13 @@ class Registered:
     """False: the loader loads no index and passes None (synthetic data)."""
 
 
-_backends: dict[str, Registered] = {}
+ENTRY_POINT_GROUP = "vitforge.backends"
+# name -> Registered, or the factory ("module:factory") of a backend that reads a dataset
+_backends: dict[str, Registered | Factory | str] = {
+    "torch": "vitforge.pipeline.torch_backend:torch_backend",
+    "dali": "vitforge.pipeline.dali_backend:dali_backend",
+    "dali-cpu": "vitforge.pipeline.dali_backend:dali_cpu_backend",
+}
 
 
 def register_backend(name: str, reads_dataset: bool = True, clobber: bool = False) -> Callable[[Factory], Factory]:
@@ -99,17 +109,21 @@ def register_backend(name: str, reads_dataset: bool = True, clobber: bool = Fals
     return add
 
 
+def _installed() -> None:
+    registry.add_entry_points(_backends, entry_points(group=ENTRY_POINT_GROUP))
+
+
 def backend_names() -> list[str]:
+    _installed()
     return sorted(_backends)
 
 
 def find_backend(name: str) -> Registered:
-    """The registered backend `name`; an unknown name is an error listing the known ones."""
-    try:
-        return _backends[name]
-    except KeyError:
-        raise UsageError(f"backend must be auto or a registered loader backend ({', '.join(backend_names())}), "
-                         f"not {name!r}") from None
+    """The registered backend `name` (its module imported now); an unknown name is an error listing
+    the known ones."""
+    found = registry.find(_backends, name, more=_installed, unknown=lambda known: UsageError(
+        f"backend must be auto or a registered loader backend ({', '.join(known)}), not {name!r}"))
+    return found if isinstance(found, Registered) else Registered(found, reads_dataset=True)
 
 
 class SyntheticBackend:
@@ -132,29 +146,6 @@ class SyntheticBackend:
             yield make_batch(self.images, self.labels, rank_slice.positions(batch))
 
 
-# The built-in backends. Their modules are imported when one is built, as before: DALI's only then.
 @register_backend("synthetic", reads_dataset=False)
 def _synthetic(spec: LoaderSpec, index: None, device: torch.device, num_classes: int) -> Backend:
     return SyntheticBackend(spec, num_classes, device)
-
-
-@register_backend("torch")
-def _torch(spec: LoaderSpec, index: DatasetIndex, device: torch.device, num_classes: int) -> Backend:
-    from .torch_backend import TorchBackend
-
-    return TorchBackend(spec, index, device)
-
-
-@register_backend("dali")
-def _dali(spec: LoaderSpec, index: DatasetIndex, device: torch.device, num_classes: int) -> Backend:
-    """Mixed (nvJPEG) decode on a GPU; on a CPU device the same as dali-cpu."""
-    from .dali_backend import DaliBackend
-
-    return DaliBackend(spec, index, device, mixed=device.type == "cuda")
-
-
-@register_backend("dali-cpu")
-def _dali_cpu(spec: LoaderSpec, index: DatasetIndex, device: torch.device, num_classes: int) -> Backend:
-    from .dali_backend import DaliBackend
-
-    return DaliBackend(spec, index, device, mixed=False)

@@ -200,3 +200,13 @@ class DaliBackend:
 def _chain(first: list[RawBatch], rest: Iterator[RawBatch]) -> Iterator[RawBatch]:
     yield from first
     yield from rest
+
+
+def dali_backend(spec: LoaderSpec, index: DatasetIndex, device: torch.device, num_classes: int) -> DaliBackend:
+    """The factory registered as "dali": mixed (nvJPEG) decode on a GPU; on a CPU device the same as dali-cpu."""
+    return DaliBackend(spec, index, device, mixed=device.type == "cuda")
+
+
+def dali_cpu_backend(spec: LoaderSpec, index: DatasetIndex, device: torch.device, num_classes: int) -> DaliBackend:
+    """The factory registered as "dali-cpu"."""
+    return DaliBackend(spec, index, device, mixed=False)

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from vitforge.core import UsageError
 from vitforge.core.settings import Switch, problems
 
-from .backend import backend_names, find_backend
+from .backend import find_backend
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -27,9 +27,10 @@ class LoaderSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
-    backend: str = Field("auto", description=(
-        'auto: DALI with GPU ("mixed") JPEG decode on a GPU, DALI on the CPU elsewhere, torch when DALI is not '
-        f"installed; or a registered backend by name: {', '.join(backend_names())}."))
+    backend: str = "auto"
+    """auto: DALI with GPU ("mixed") JPEG decode on a GPU, DALI on the CPU elsewhere, torch when DALI is
+    not installed; or a registered backend by name: dali, dali-cpu, synthetic, torch, or one a
+    package registers (vitforge.pipeline.register_backend, or the entry point group vitforge.backends)."""
     workers: int = Field(4, ge=0)
     """Decode processes (torch) or threads (DALI) per rank."""
     prefetch: int = Field(2, ge=1)

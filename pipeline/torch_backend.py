@@ -161,3 +161,8 @@ class TorchBackend:
     def _to_device(self, batch: Batch) -> Batch:
         return {**batch, "image": self.normalise(batch["image"].to(self.device, non_blocking=True)),
                 "label": batch["label"].to(self.device, non_blocking=True)}
+
+
+def torch_backend(spec: LoaderSpec, index: DatasetIndex, device: torch.device, num_classes: int) -> TorchBackend:
+    """The factory registered as "torch" (backend.py)."""
+    return TorchBackend(spec, index, device)

@@ -18,7 +18,6 @@ import tempfile
 
 from vitforge.core import errors, setup_logging
 
-from .export import export
 from .run_store import MANIFEST, RunStore, split_checkpoint_url, step_of
 
 
@@ -42,6 +41,8 @@ def main(argv: list[str]) -> int:
         return _list(args.run)
     if args.command == "verify":
         return _verify(args.target)
+    from .export import export  # torch and DeepSpeed: seconds that list and verify need not pay
+
     with tempfile.TemporaryDirectory(prefix="vitforge-export-") as scratch:
         description = export(args.target, args.out, scratch, include_head=args.include_head)
     print(json.dumps({"out": args.out, **description}, sort_keys=True))

@@ -12,16 +12,15 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from vitforge.core import UsageError, is_remote, store_schemes
+from vitforge.core import is_remote, store_schemes
 from vitforge.core.store import scheme_of
 from vitforge.core.settings import Switch, load_validated
 from vitforge.pipeline import LoaderSettings
 
+from .errors import ConfigError
+from .objectives import check_config
+
 RECIPES = Path(__file__).resolve().parent / "recipes"
-
-
-class ConfigError(UsageError):
-    kind = "config error"
 
 
 class Strict(BaseModel):
@@ -396,10 +395,7 @@ class Config(Strict):
 
     @model_validator(mode="after")
     def _objective_fits(self):
-        # The objective registry (trainer/objective.py) knows the names and what each refuses;
-        # imported here because it imports this module (ConfigError).
-        from .objective import check_config
-
+        # The objective table (trainer/objectives.py, torch-free) knows the names and what each refuses.
         check_config(self)
         return self
 

@@ -23,7 +23,8 @@ from .config import ConfigError
 from .export import consolidate, trained_model
 from .model import is_vit
 from .figures import compute, write_figures
-from .objective import get_objective, saved_objective
+from .objective import get_objective
+from .objectives import saved_objective
 
 
 def main(argv: list[str]) -> int:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from timm.models.vision_transformer import VisionTransformer
 
-from .config import ConfigError
+from .errors import ConfigError
 
 UNTOUCHED, MASKED, SWAPPED, KEPT = 0, 1, 2, 3  # what happened to a patch's embedding
 COLOURS = 512  # 8 levels per channel

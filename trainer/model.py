@@ -18,7 +18,8 @@ from timm.models.vision_transformer import VisionTransformer
 from torch.utils.flop_counter import FlopCounterMode
 
 from .config import ConfigError
-from .objective import DEFAULT_OBJECTIVE, get_objective
+from .objective import get_objective
+from .objectives import DEFAULT_OBJECTIVE
 
 # Tiny configurations for CPU tests and demos, built like the real ones.
 TINY_MODELS = {

@@ -1,7 +1,8 @@
 """What the model is trained to do, behind a name: its head, loss, metrics, export and checks.
 
 Image classification, and masked patch prediction (self-supervised: the targets come from the
-pixels). Each is registered once in OBJECTIVES (`register_objective`): the model it builds around a
+pixels). Each is registered once in OBJECTIVES (`register_objective`; the table, and what config
+validation needs of each, live torch-free in objectives.py): the model it builds around a
 ViT, its model inputs and targets from a batch, its loss, what evaluation counts and reports, which
 part of its model `vitforge ckpt export` gives to timm, whether it needs class labels, and which
 config settings it refuses. No other module compares objective names.
@@ -18,11 +19,8 @@ import torch.nn.functional as F
 
 from vitforge.pipeline import IGNORE_LABEL, IMAGENET_MEAN, IMAGENET_STD
 
-from .config import ConfigError
 from .masked_patches import UNTOUCHED, MaskedPatchModel, colour_targets, corruption
-
-# What a checkpoint saved before manifests named their objective was trained for.
-DEFAULT_OBJECTIVE = "classification"
+from .objectives import OBJECTIVES, find_objective, no_check, refuse_classification_settings
 
 
 def masked_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -110,18 +108,6 @@ def image_and_plan(model: torch.nn.Module, image_size: int) -> list[torch.Tensor
             torch.zeros(1, patches, dtype=torch.long)]
 
 
-def no_check(cfg) -> None:
-    return None
-
-
-def refuse_classification_settings(cfg) -> None:
-    mixing = [f"augment.{k}" for k in ("mixup", "cutmix", "label_smoothing") if getattr(cfg.augment, k)]
-    if mixing or cfg.model.pre_logits:
-        raise ValueError(f"train.objective {cfg.train.objective} predicts patch colours: "
-                         f"{', '.join(mixing + ['model.pre_logits'] * cfg.model.pre_logits)} "
-                         "only apply to classification")
-
-
 def whole_model(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
@@ -200,9 +186,6 @@ class Objective:
     vit_only: bool = False  # works on a ViT's patches: a BiT ResNet is refused (model.check_model_config)
 
 
-OBJECTIVES: dict[str, Objective] = {}
-
-
 def register_objective(objective: Objective) -> Objective:
     """Make an objective known by its name (train.objective, a checkpoint manifest's objective)."""
     if objective.name in OBJECTIVES:
@@ -212,25 +195,15 @@ def register_objective(objective: Objective) -> Objective:
 
 
 def get_objective(name: str) -> Objective:
-    if name not in OBJECTIVES:
-        raise ConfigError(f"train.objective: unknown objective {name!r} (known: {', '.join(OBJECTIVES)})")
-    return OBJECTIVES[name]
+    return find_objective(name)
 
 
-def saved_objective(manifest: dict) -> str:
-    """The objective a checkpoint was trained for, by its manifest."""
-    return manifest.get("objective", DEFAULT_OBJECTIVE)
-
-
-def check_config(cfg) -> None:
-    """Config validation: a known objective, and settings it can use (ValueError, for pydantic)."""
-    get_objective(cfg.train.objective).check_config(cfg)
-
-
-register_objective(Objective("classification", classifier, image_only, classification_inputs, masked_loss,
-                             classification_counts, classification_metrics, whole_model, labelled=True,
-                             features=classifier_features))
-register_objective(Objective("masked_patch_prediction", masked_patch_model, image_and_plan, masked_patch_inputs,
-                             per_patch(masked_loss), per_patch(classification_counts), masked_patch_metrics,
-                             encoder, labelled=False, features=encoder_features,
-                             check_config=refuse_classification_settings, vit_only=True))
+CLASSIFICATION = Objective("classification", classifier, image_only, classification_inputs, masked_loss,
+                           classification_counts, classification_metrics, whole_model, labelled=True,
+                           features=classifier_features)
+MASKED_PATCH_PREDICTION = Objective("masked_patch_prediction", masked_patch_model, image_and_plan,
+                                    masked_patch_inputs, per_patch(masked_loss), per_patch(classification_counts),
+                                    masked_patch_metrics, encoder, labelled=False, features=encoder_features,
+                                    check_config=refuse_classification_settings, vit_only=True)
+# The built-ins take their names' places in the table as soon as this module is imported.
+OBJECTIVES.update({o.name: o for o in (CLASSIFICATION, MASKED_PATCH_PREDICTION)})

@@ -32,7 +32,8 @@ from .export import check_fits, consolidate, consolidate_on_rank0, load_broadcas
 from .metrics import MetricsLog
 from .model import PEAK_FLOPS, adapt_state_dict, build_model, check_model_config, forward_flops
 from .mixing import Mixing, mix_batch
-from .objective import OBJECTIVES, Objective, get_objective, saved_objective
+from .objective import OBJECTIVES, Objective, get_objective
+from .objectives import saved_objective
 from .preemption import StopRequest
 from .probe_eval import ProbeSet, build_probes, run_probes
 from .profiling import NEVER, profile_window
