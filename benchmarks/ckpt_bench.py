@@ -80,7 +80,7 @@ def run(args, work: str, server) -> int:
     import torch.distributed as dist
     from boto3.s3.transfer import TransferConfig
 
-    from vitforge.trainer import checkpoint
+    from vitforge.trainer import uploader
     from vitforge.trainer.checkpoint import Checkpointer
     from vitforge.trainer.config import load_config
     from vitforge.trainer.distributed import init_distributed, detect_env
@@ -90,7 +90,7 @@ def run(args, work: str, server) -> int:
     from vitforge.trainer.state import RandomState, StateParts
 
     if args.upload_nice is not None:
-        checkpoint.UPLOAD_NICE = args.upload_nice
+        uploader.UPLOAD_NICE = args.upload_nice
     device = init_distributed(detect_env())
     cfg = load_config("tiny_cpu", [f"model.name={args.model}", f"model.image_size={args.image_size}",
                                    "train.micro_batch=8", "train.global_batch=8", "train.precision=fp32",
@@ -184,7 +184,7 @@ def run(args, work: str, server) -> int:
     print(f"checkpoint: {args.model} at {args.image_size} px, ZeRO-2 fp32 AdamW, 1 rank, {mb:.0f} MB in "
           f"{len(manifest['files'])} files, local S3 (SeaweedFS at nice {args.server_nice}"
           f"{', standing in for a remote store' if args.server_nice else ''}), {os.cpu_count()} CPUs, "
-          f"torch {torch.get_num_threads()} threads, uploads at nice {checkpoint.UPLOAD_NICE}, median of {args.saves}")
+          f"torch {torch.get_num_threads()} threads, uploads at nice {uploader.UPLOAD_NICE}, median of {args.saves}")
     print(f"local staging write (floor)            {median(results['floor']):7.2f} s stall")
     print(f"vitforge async save                    {median(results['async']):7.2f} s stall "
           f"(upload finished {median(results['upload_s']):.2f} s after the save began)")

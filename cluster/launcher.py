@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import NamedTuple, Protocol
 
-from vitforge.core import UsageError
+from vitforge.core import UsageError, registry
 
 from . import slurm
 from .render import render, render_merge, render_shard_array
@@ -93,12 +93,12 @@ class SlurmLauncher:
         return slurm.log_path(job)
 
 
-LAUNCHERS: dict[str, type] = {"slurm": SlurmLauncher}
+LAUNCHERS: dict[str, type | str] = {"slurm": SlurmLauncher}  # name -> class, or "module:class" (core/registry.py)
 DEFAULT_LAUNCHER = "slurm"
 
 
 def get_launcher(name: str = DEFAULT_LAUNCHER) -> Launcher:
     """The launcher registered as `name`; a UsageError listing the known ones otherwise."""
-    if name not in LAUNCHERS:
-        raise UsageError(f"unknown launcher {name!r}; known: {', '.join(sorted(LAUNCHERS))}")
-    return LAUNCHERS[name]()
+    launcher = registry.find(LAUNCHERS, name, unknown=lambda known: UsageError(
+        f"unknown launcher {name!r}; known: {', '.join(known)}"))
+    return launcher()

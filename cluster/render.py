@@ -204,6 +204,52 @@ def _command(spec: LaunchSpec, tasks: list[LaunchSpec] | None, srun: list[str]) 
             f'{shlex.join(srun)} "${{command[@]}}"']
 
 
+def _requeue(spec: LaunchSpec) -> list[str]:
+    """The script's ending: requeue the job after a stop for requeue or a hang, within its limits, and
+    only while SLURM still runs this incarnation."""
+    return [
+        f"# {REQUEUE_EXIT}: the trainer stopped on SIGUSR1/SIGTERM or its time budget after a complete",
+        "# checkpoint, or lost a peer node in a collective (nothing written since the newest complete",
+        f"# checkpoint). {HUNG_EXIT}: a step, checkpoint save or evaluation hung: every live rank wrote its stacks",
+        "# to RUN/debug/ and the log names the ranks that did not reach the collective. Requeue (the restarted",
+        "# job resumes from the newest complete checkpoint), at most max_requeues times, after a hang at most",
+        "# max_hang_requeues times in the job's life (counted in a file: SLURM_RESTART_COUNT counts every",
+        "# requeue), and only while SLURM still runs this incarnation: a stale copy cut off by a network",
+        "# partition, whose job SLURM already requeued elsewhere, must not requeue the newer one when its",
+        "# link returns.",
+        f"if [ $code -eq {REQUEUE_EXIT} ] || [ $code -eq {HUNG_EXIT} ]; then",
+        "    for try in 1 2 3; do",
+        "        current=\"$(scontrol show job -o \"$SLURM_JOB_ID\" 2>/dev/null "
+        "| grep -oE '(Restarts|RestartCnt)=[0-9]+' | head -n 1 | cut -d= -f2)\"",
+        '        [ -n "$current" ] && break; sleep 5',
+        "    done",
+        "    # Unreadable (slurmctld busy): requeue; a copy that is really cut off cannot requeue anyway.",
+        '    if [ -n "$current" ] && [ "$current" -gt "${SLURM_RESTART_COUNT:-0}" ]; then',
+        '        echo "vitforge: job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0} is stale (SLURM runs restart '
+        '${current:-unknown}): a newer incarnation runs; not requeueing"',
+        "        exit $code",
+        "    fi",
+        "    hangs=0",
+        f"    if [ $code -eq {HUNG_EXIT} ]; then",
+        f'        hangs_file={shlex.quote(f"{spec.log_dir}/.hangs-")}"$SLURM_JOB_ID"',
+        '        hangs=$(( $(cat "$hangs_file" 2>/dev/null || echo 0) + 1 ))',
+        '        echo "$hangs" > "$hangs_file"',
+        f'        echo "vitforge: job $SLURM_JOB_ID hung (hang $hangs; at most {spec.max_hang_requeues} requeued): '
+        "every rank's stacks are in the run's debug/ folder\"",
+        "    fi",
+        f"    if [ \"$hangs\" -gt {spec.max_hang_requeues} ]; then",
+        f'        echo "vitforge: hang requeue limit {spec.max_hang_requeues} reached; the run is resumable by hand"',
+        f"    elif [ \"${{SLURM_RESTART_COUNT:-0}}\" -lt {spec.max_requeues} ]; then",
+        '        echo "vitforge: requeueing job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0})"',
+        '        scontrol requeue "$SLURM_JOB_ID"',
+        "        exit 0",
+        "    else",
+        f'        echo "vitforge: requeue limit {spec.max_requeues} reached; the run is resumable by hand"',
+        "    fi",
+        "fi",
+    ]
+
+
 def render(spec: LaunchSpec, tasks: list[LaunchSpec] | None = None) -> str:
     """The sbatch script of a training or eval spec. `tasks`: a job array, one task per spec, which
     share `spec`'s resources and differ only in the trainer's command (a study's runs); each task
@@ -249,45 +295,7 @@ def render(spec: LaunchSpec, tasks: list[LaunchSpec] | None = None) -> str:
         "code=$?",
         '[ -s "$VITFORGE_EXIT_FILE" ] && code=$(cat "$VITFORGE_EXIT_FILE") && rm -f "$VITFORGE_EXIT_FILE"',
         "",
-        f"# {REQUEUE_EXIT}: the trainer stopped on SIGUSR1/SIGTERM or its time budget after a complete",
-        "# checkpoint, or lost a peer node in a collective (nothing written since the newest complete",
-        f"# checkpoint). {HUNG_EXIT}: a step, checkpoint save or evaluation hung: every live rank wrote its stacks",
-        "# to RUN/debug/ and the log names the ranks that did not reach the collective. Requeue (the restarted",
-        "# job resumes from the newest complete checkpoint), at most max_requeues times, after a hang at most",
-        "# max_hang_requeues times in the job's life (counted in a file: SLURM_RESTART_COUNT counts every",
-        "# requeue), and only while SLURM still runs this incarnation: a stale copy cut off by a network",
-        "# partition, whose job SLURM already requeued elsewhere, must not requeue the newer one when its",
-        "# link returns.",
-        f"if [ $code -eq {REQUEUE_EXIT} ] || [ $code -eq {HUNG_EXIT} ]; then",
-        "    for try in 1 2 3; do",
-        "        current=\"$(scontrol show job -o \"$SLURM_JOB_ID\" 2>/dev/null "
-        "| grep -oE '(Restarts|RestartCnt)=[0-9]+' | head -n 1 | cut -d= -f2)\"",
-        '        [ -n "$current" ] && break; sleep 5',
-        "    done",
-        "    # Unreadable (slurmctld busy): requeue; a copy that is really cut off cannot requeue anyway.",
-        '    if [ -n "$current" ] && [ "$current" -gt "${SLURM_RESTART_COUNT:-0}" ]; then',
-        '        echo "vitforge: job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0} is stale (SLURM runs restart '
-        '${current:-unknown}): a newer incarnation runs; not requeueing"',
-        "        exit $code",
-        "    fi",
-        "    hangs=0",
-        f"    if [ $code -eq {HUNG_EXIT} ]; then",
-        f'        hangs_file={shlex.quote(f"{spec.log_dir}/.hangs-")}"$SLURM_JOB_ID"',
-        '        hangs=$(( $(cat "$hangs_file" 2>/dev/null || echo 0) + 1 ))',
-        '        echo "$hangs" > "$hangs_file"',
-        f'        echo "vitforge: job $SLURM_JOB_ID hung (hang $hangs; at most {spec.max_hang_requeues} requeued): '
-        "every rank's stacks are in the run's debug/ folder\"",
-        "    fi",
-        f"    if [ \"$hangs\" -gt {spec.max_hang_requeues} ]; then",
-        f'        echo "vitforge: hang requeue limit {spec.max_hang_requeues} reached; the run is resumable by hand"',
-        f"    elif [ \"${{SLURM_RESTART_COUNT:-0}}\" -lt {spec.max_requeues} ]; then",
-        '        echo "vitforge: requeueing job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0})"',
-        '        scontrol requeue "$SLURM_JOB_ID"',
-        "        exit 0",
-        "    else",
-        f'        echo "vitforge: requeue limit {spec.max_requeues} reached; the run is resumable by hand"',
-        "    fi",
-        "fi",
+        *_requeue(spec),
         'echo "vitforge: job $SLURM_JOB_ID ended $(date -Is) with exit code $code"',
         "exit $code",
     ]

@@ -7,10 +7,10 @@ import re
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from vitforge.core import UsageError
-from vitforge.core.settings import load_validated
+from vitforge.core.settings import Strict, load_validated
 
 SPECS = Path(__file__).resolve().parent / "specs"
 # Names that carry credentials: never written into a script; jobs get them from the environment
@@ -56,10 +56,6 @@ LogDir = _whole(r"[^\x00-\x1f\x7f\\]+", "a folder on one line: no '\\' (SLURM's 
 
 class SpecError(UsageError):
     kind = "spec error"
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
 
 class Container(Strict):

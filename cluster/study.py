@@ -26,11 +26,11 @@ from pathlib import Path
 from pydantic import Field, field_validator
 
 from vitforge.core import UsageError, free_port
-from vitforge.core.settings import load_validated, validated
+from vitforge.core.settings import Strict, load_validated, validated
 from vitforge.trainer import RunStore
 
 from .render import render, trainer_command
-from .spec import LaunchSpec, Strict, load_spec
+from .spec import LaunchSpec, load_spec
 
 STUDIES = Path(__file__).parent / "studies"
 

@@ -1,6 +1,6 @@
 """Tables of implementations found by name, one mechanism for each of them: stores by URL scheme
 (core/store.py), loader backends (pipeline/backend.py), objectives (trainer/objectives.py),
-launchers (cluster/launcher.py) and experiment trackers (trainer/tracking.py).
+launchers (cluster/launcher.py) and experiment trackers (trainer/tracking/start.py).
 
 A table is a plain dict: name -> the implementation, or "module:attribute" naming it (fsspec's
 `known_implementations`). A string is imported when its name is first used and then kept in the

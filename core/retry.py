@@ -122,3 +122,11 @@ def with_retries(fn: Callable[[], T], what: str, attempts: int = 6, base_delay: 
                             type(e).__name__, e, delay)
                 time.sleep(delay)
     raise AssertionError("unreachable")
+
+
+def with_retries_if_present(fn: Callable[[], T], what: str) -> T | None:
+    """with_retries(fn, what), or None when what it reads does not exist (FileNotFoundError, never retried)."""
+    try:
+        return with_retries(fn, what)
+    except FileNotFoundError:
+        return None

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 
 from .errors import PreconditionFailed, StorageError, UsageError
-from .retry import TransientError, current_operation, past_deadline, store_limits, with_retries
+from .retry import TransientError, current_operation, past_deadline, store_limits, with_retries, with_retries_if_present
 from .store import UPLOAD_THREADS, ObjectInfo, StagedStore, whole
 
 try:
@@ -296,10 +296,7 @@ class AzureStore(StagedStore):
                 stream = self.blob(name).download_blob()
                 return stream.readall(), stream.properties.etag
 
-        try:
-            return with_retries(fetch, f"get {self.url(name)}")
-        except FileNotFoundError:
-            return None
+        return with_retries_if_present(fetch, f"get {self.url(name)}")
 
     def put_if(self, name: str, data: bytes, version: str | None) -> str:
         """If-None-Match "*" when absent, If-Match ETag otherwise; the new ETag."""

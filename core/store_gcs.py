@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 from .errors import PreconditionFailed, StorageError, UsageError
-from .retry import TransientError, current_operation, past_deadline, store_limits, with_retries
+from .retry import TransientError, current_operation, past_deadline, store_limits, with_retries, with_retries_if_present
 from .store import ObjectInfo, StagedStore, bucket_and_prefix, whole
 
 log = logging.getLogger("vitforge.store")
@@ -150,10 +150,7 @@ class GCSStore(StagedStore):
                 data = blob.download_as_bytes(checksum="auto", **self._call(self.url(name), "get"))
             return data, str(blob.generation)  # from the download's own headers: the bytes' generation
 
-        try:
-            return with_retries(fetch, f"get {self.url(name)}")
-        except FileNotFoundError:
-            return None
+        return with_retries_if_present(fetch, f"get {self.url(name)}")
 
     def put_if(self, name: str, data: bytes, version: str | None) -> str:
         """ifGenerationMatch: 0 when it must be absent, else the generation it was read at."""

@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from .errors import PreconditionFailed, StorageError
-from .retry import StoreLimits, TransientError, current_operation, past_deadline, store_limits, with_retries
+from .retry import StoreLimits, TransientError, current_operation, past_deadline, store_limits, with_retries, with_retries_if_present
 from .store import UPLOAD_THREADS, ObjectInfo, StagedStore, bucket_and_prefix, whole
 
 log = logging.getLogger("vitforge.store")
@@ -234,10 +234,7 @@ class S3Store(StagedStore):
                 response = self.client.get_object(Bucket=self.bucket, Key=self.key(name))
                 return response["Body"].read(), response["ETag"]
 
-        try:
-            return with_retries(fetch, f"get {self.url(name)}")
-        except FileNotFoundError:
-            return None
+        return with_retries_if_present(fetch, f"get {self.url(name)}")
 
     def put_if(self, name: str, data: bytes, version: str | None) -> str:
         """S3 conditional write: If-None-Match '*' when absent, If-Match ETag otherwise."""

@@ -9,9 +9,9 @@ loader, a few hundred bytes.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from vitforge.core import UsageError
 from vitforge.core.settings import Switch, problems
@@ -20,6 +20,36 @@ from .backend import find_backend
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+def _area_range(value: tuple[float, float]) -> tuple[float, float]:
+    if not 0 < value[0] <= value[1] <= 1:
+        raise ValueError("must satisfy 0 < min <= max <= 1")
+    return value
+
+
+def _ratio_range(value: tuple[float, float]) -> tuple[float, float]:
+    if not 0 < value[0] <= value[1]:
+        raise ValueError("must satisfy 0 < min <= max")
+    return value
+
+
+def _randaugment(value: tuple[int, int] | None) -> tuple[int, int] | None:
+    if value is not None and not (value[0] >= 1 and 0 <= value[1] <= 30):
+        raise ValueError("must be [operations >= 1, magnitude 0-30]")
+    return value
+
+
+# The train-time crop and RandAugment settings, defined once: the loader's (scale, ratio, randaugment)
+# and the training config's (augment.crop_scale, crop_ratio, randaugment) are the same types.
+CropScale = Annotated[tuple[float, float], AfterValidator(_area_range)]
+"""Random-resized-crop area fraction range."""
+CropRatio = Annotated[tuple[float, float], AfterValidator(_ratio_range)]
+"""Random-resized-crop aspect-ratio range."""
+RandAugment = Annotated[tuple[int, int] | None, AfterValidator(_randaugment)]
+"""(operations per image, magnitude bin 0-30); None: off."""
+CROP_SCALE = (0.08, 1.0)  # the Inception crop's (the ViT recipe's)
+CROP_RATIO = (3 / 4, 4 / 3)
 
 
 class LoaderSettings(BaseModel):
@@ -86,11 +116,11 @@ class LoaderSpec(LoaderSettings):
     epoch_end: Literal["pad", "drop"] = "pad"
     """How every rank gets the same number of batches: "pad" repeats samples from the start of the
     epoch's order (in eval they carry label -1 so metrics skip them); "drop" leaves the remainder out."""
-    scale: tuple[float, float] = (0.08, 1.0)
+    scale: CropScale = CROP_SCALE
     """Random-resized-crop area fraction (Inception / ViT recipe)."""
-    ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    ratio: CropRatio = CROP_RATIO
     flip: bool = True
-    randaugment: tuple[int, int] | None = None
+    randaugment: RandAugment = None
     """(operations per image, magnitude bin 0-30), train only."""
     eval_crop_fraction: float = Field(0.875, gt=0, le=1)
     """Eval: resize shorter side to image_size / 0.875, centre crop."""
@@ -113,23 +143,3 @@ class LoaderSpec(LoaderSettings):
         """`settings`' values, with `call`'s (the per-call fields, or a setting overridden) over them."""
         return cls(dataset, **{**{name: getattr(settings, name) for name in LoaderSettings.model_fields}, **call})
 
-    @field_validator("scale")
-    @classmethod
-    def _scale(cls, value):
-        if not 0 < value[0] <= value[1] <= 1:
-            raise ValueError("scale must satisfy 0 < min <= max <= 1")
-        return value
-
-    @field_validator("ratio")
-    @classmethod
-    def _ratio(cls, value):
-        if not 0 < value[0] <= value[1]:
-            raise ValueError("ratio must satisfy 0 < min <= max")
-        return value
-
-    @field_validator("randaugment")
-    @classmethod
-    def _randaugment(cls, value):
-        if value is not None and not (value[0] >= 1 and 0 <= value[1] <= 30):
-            raise ValueError("randaugment must be (operations >= 1, magnitude 0-30)")
-        return value

@@ -1,6 +1,7 @@
 """Local stand-ins for the services vitforge talks to in production (an S3 server, a SLURM cluster,
 the GCS and Azure Blob emulators, an MLflow tracking server), used by the tests, `vitforge demo` and
-the benchmarks.
+the benchmarks. Each server stand-in runs through managed.py (its own process group, a log file, a
+readiness probe, stopped as a group).
 
 No product package (core, shards, pipeline, trainer, cluster) imports this package: production code
 never depends on a stand-in (tests/unit/test_units.py checks it). Only the `vitforge` front-end's `demo`

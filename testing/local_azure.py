@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 
 from vitforge.core import free_port
+
+from .managed import start_process, stop_process, wait_until_ready
 
 # The emulator's well-known development account (published by Microsoft, not a secret).
 DEV_ACCOUNT = "devstoreaccount1"
@@ -40,14 +40,7 @@ class LocalAzure:
         return self.process.poll() is None
 
     def stop(self) -> None:
-        """node may start children: end its whole process group."""
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
+        stop_process(self.process)  # node's whole group
 
 
 def azurite_binary() -> str:
@@ -72,22 +65,14 @@ def start_local_azure(data_dir: str, timeout: float = 30, port: int | None = Non
     cmd = [azurite_binary(), "--blobHost", "127.0.0.1", "--blobPort", str(port), "--location", data_dir,
            "--skipApiVersionCheck", "--disableTelemetry", "--silent"]
     log_path = os.path.join(data_dir, "azurite.log")
-    with open(log_path, "ab") as log:
-        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    process = start_process(cmd, log_path)
     endpoint = f"http://127.0.0.1:{port}/{DEV_ACCOUNT}"
     server = LocalAzure(endpoint, {"AZURE_STORAGE_CONNECTION_STRING": dev_connection_string(endpoint)}, process,
                         log_path)
-    deadline = time.monotonic() + timeout
-    while True:
-        if not server.alive():
-            with open(log_path, errors="replace") as f:
-                raise RuntimeError(f"azurite-blob exited with {process.returncode}: {f.read()[-2000:]}")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return server
-        except OSError:
-            if time.monotonic() > deadline:
-                server.stop()
-                raise RuntimeError(f"azurite-blob did not listen on 127.0.0.1:{port} within {timeout:g} s "
-                                   f"(log: {log_path})") from None
-            time.sleep(0.1)
+
+    def listens() -> bool:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+
+    wait_until_ready(process, listens, f"azurite-blob on 127.0.0.1:{port}", log_path, timeout)
+    return server

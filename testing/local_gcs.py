@@ -10,11 +10,12 @@ from __future__ import annotations
 import os
 import platform
 import subprocess
-import time
 import urllib.request
 from dataclasses import dataclass, field
 
 from vitforge.core import free_port
+
+from .managed import log_tail, start_process, stop_process, wait_until_ready
 
 PROJECT = "vitforge-test"
 
@@ -42,11 +43,7 @@ class LocalGCS:
         let a test fail on a refused connection."""
         if self.process.poll() is not None:
             raise RuntimeError(f"fake-gcs-server at {self.endpoint} exited with {self.process.returncode}: "
-                               f"{self.log_tail()}")
-
-    def log_tail(self) -> str:
-        with open(self.log_path, errors="replace") as f:
-            return f.read()[-2000:]
+                               f"{log_tail(self.log_path)}")
 
     def make_bucket(self, name: str) -> str:
         self.check_alive()
@@ -58,8 +55,7 @@ class LocalGCS:
 
     def stop(self) -> None:
         """Killed outright: it holds nothing worth flushing (memory, or files we throw away)."""
-        self.process.kill()
-        self.process.wait()
+        stop_process(self.process, kill=True)
 
 
 def start_local_gcs(data_dir: str, timeout: float = 30, memory: bool = True) -> LocalGCS:
@@ -71,19 +67,14 @@ def start_local_gcs(data_dir: str, timeout: float = 30, memory: bool = True) -> 
                                                      os.path.join(data_dir, "objects")]
     log_path = os.path.join(data_dir, "fake-gcs-server.log")
     endpoint = f"http://127.0.0.1:{port}"
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen([binary_path(), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port),
-                                    "-log-level", "warn", *backend],
-                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    process = start_process([binary_path(), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port),
+                             "-log-level", "warn", *backend], log_path)
     server = LocalGCS(endpoint, {"STORAGE_EMULATOR_HOST": endpoint, "GOOGLE_CLOUD_PROJECT": PROJECT}, process,
                       log_path)
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            urllib.request.urlopen(f"{endpoint}/storage/v1/b?project={PROJECT}", timeout=2).close()
-            return server
-        except OSError:  # not listening yet
-            if process.poll() is not None or time.monotonic() > deadline:
-                server.stop()
-                raise RuntimeError(f"fake-gcs-server did not start at {endpoint}: {server.log_tail()}") from None
-            time.sleep(0.05)
+
+    def lists() -> bool:
+        urllib.request.urlopen(f"{endpoint}/storage/v1/b?project={PROJECT}", timeout=2).close()
+        return True
+
+    wait_until_ready(process, lists, f"fake-gcs-server at {endpoint}", log_path, timeout, poll_s=0.05)
+    return server

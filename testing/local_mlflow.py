@@ -11,14 +11,14 @@ its runs."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from dataclasses import dataclass, field
 
 from vitforge.core import free_port
+
+from .managed import start_process, stop_process, wait_until_ready
 
 INSTALL_HINT = "install it with `make mlflow-server` (a venv of its own: pip install -r ci/mlflow-server.txt)"
 QUIET = {"MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true", "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
@@ -56,36 +56,18 @@ class LocalMLflow:
         cmd = [mlflow_server_binary(), "server", "--backend-store-uri", f"sqlite:///{self.data_dir}/mlflow.db",
                "--artifacts-destination", os.path.join(self.data_dir, "artifacts"), "--host", "127.0.0.1",
                "--port", str(self.port), "--workers", "1"]
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                            env={**os.environ, **QUIET})
-        deadline = time.monotonic() + timeout
-        while True:
-            if not self.alive():
-                with open(self.log_path, errors="replace") as f:
-                    raise RuntimeError(f"mlflow server exited with {self.process.returncode}: {f.read()[-2000:]}")
-            try:
-                with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as answer:
-                    if answer.status == 200:
-                        return
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop(kill=True)
-                raise RuntimeError(f"mlflow server did not answer {self.uri}/health within {timeout:g} s "
-                                   f"(log: {self.log_path})")
-            time.sleep(0.2)
+        self.process = start_process(cmd, self.log_path, env={**os.environ, **QUIET})
+
+        def healthy() -> bool:
+            with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as answer:
+                return answer.status == 200
+
+        wait_until_ready(self.process, healthy, f"mlflow server at {self.uri}", self.log_path, timeout, poll_s=0.2)
 
     def stop(self, kill: bool = False) -> None:
         """End the server and its uvicorn child (SIGKILL with `kill`: a crash, nothing flushed)."""
-        if not self.alive():
-            return
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL if kill else signal.SIGTERM)
-            self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+        if self.process is not None:
+            stop_process(self.process, kill)
 
 
 def mlflow_server_binary() -> str:

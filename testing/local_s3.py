@@ -10,10 +10,11 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 
 from vitforge.core import free_port
+
+from .managed import start_process, stop_process, wait_until_ready
 
 
 @dataclass
@@ -30,11 +31,7 @@ class LocalS3:
                             aws_secret_access_key=self.env["AWS_SECRET_ACCESS_KEY"], region_name="us-east-1")
 
     def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
+        stop_process(self.process)
 
 
 # SeaweedFS gives every bucket (a collection) its own volumes, about 8 at its first write, and by
@@ -75,21 +72,19 @@ def start_local_s3(data_dir: str, timeout: float = 60, host: str = "127.0.0.1",
     if audit_log_config:
         cmd.append(f"-s3.auditLogConfig={audit_log_config}")
     log_path = os.path.join(data_dir, "weed.log")
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    process = start_process(cmd, log_path)
     endpoint = f"http://{host}:{ports['s3']}"
     env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "local-key-id", "AWS_SECRET_ACCESS_KEY": "local-secret",
            "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
     server = LocalS3(endpoint, env, process, log_path)
     client = server.client()
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def answers() -> bool:
         try:
             client.list_buckets()
-            return server
+            return True
         except Exception:  # not up yet: any client error means "try again"
-            if process.poll() is not None or time.monotonic() > deadline:
-                process.kill()
-                with open(log_path, errors="replace") as f:
-                    raise RuntimeError(f"SeaweedFS did not start: {f.read()[-2000:]}") from None
-            time.sleep(0.3)
+            return False
+
+    wait_until_ready(process, answers, f"SeaweedFS at {endpoint}", log_path, timeout, poll_s=0.3)
+    return server

@@ -14,7 +14,7 @@ HEAVY = {"distributed": ("PeerWatch", "check_socket_interfaces"),
          "objective": ("OBJECTIVES", "Objective", "get_objective", "register_objective"),
          "probe": ("L2_GRID", "ProbeError", "ProbeResult", "choose_shots", "knn_top1", "linear_probe"),
          "state": ("RandomState", "RankBound", "Stateful", "StateParts"),
-         "train": ("PeerLost", "Requeue", "Trainer", "run", "run_eval")}
+         "train": ("PeerLost", "Requeue", "Trainer"), "entry": ("run", "run_eval")}
 
 __all__ = ["Config", "ConfigError", "L2_GRID", "OBJECTIVES", "Objective", "PAPER_PARAMETERS", "PEAK_FLOPS", "PeerLost",
            "PeerWatch", "ProbeError", "ProbeResult", "RandomState", "RankBound", "Requeue", "RunStore", "StateParts",

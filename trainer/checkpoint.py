@@ -28,18 +28,19 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from vitforge.core import CheckpointError, StorageError, VitforgeError, __version__
+from vitforge.core import CheckpointError, StorageError, __version__
 
 from .distributed import agree, all_ok
-from .run_store import LATEST, MANIFEST, MANIFEST_VERSION, METRICS, RECEIPTS, UNIVERSAL, Lease, RunStore, tag_for
+from .lease import Lease
+from .run_store import LATEST, MANIFEST, MANIFEST_VERSION, METRICS, RECEIPTS, UNIVERSAL, RunStore, tag_for
 from .state import RankBound, StateParts
+from .uploader import Uploader
 
 log = logging.getLogger("vitforge.checkpoint")
 CLAIM_SLICE_S = 2.0  # the longest one collective waits while rank 0 watches another job's lease
@@ -101,64 +102,6 @@ class Restored:
     resharded: bool  # saved at another world size
     per_rank: dict  # the saved per-rank parts this rank loads (rank 0's when resharded), by name
     shared: dict  # the saved shared parts, by name
-
-
-UPLOAD_NICE = 19  # the lowest CPU priority: the upload takes only the CPU time training leaves
-
-
-def lower_thread_priority(nice: int) -> bool:
-    """Lower the calling thread's CPU priority to `nice`; whether it could. On Linux nice is per
-    thread and every thread this one starts inherits it, so an uploader thread that calls this
-    first covers the file and part threads it starts. Nice rather than SCHED_IDLE: a niced
-    thread still gets a small share on a node whose loader keeps every core busy (SCHED_IDLE
-    would get none, and the next save would wait for an upload that never ends). Where the OS
-    refuses or has no per-thread nice, the upload runs at normal priority: slower training
-    during it, never a failed upload."""
-    if not sys.platform.startswith("linux"):  # elsewhere a thread id is no PRIO_PROCESS target
-        return False
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-        return True
-    except OSError as e:  # a sandbox that forbids it
-        log.info("checkpoint uploads run at normal CPU priority: %s", e)
-        return False
-
-
-class Uploader:
-    """One background thread per rank, at the lowest CPU priority (lower_thread_priority), with the
-    threads it starts (RunStore.upload_folder bounds them); its failure is raised on the main
-    thread at the next wait."""
-
-    def __init__(self):
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-
-    def start(self, work) -> None:
-        def run():
-            try:
-                lower_thread_priority(UPLOAD_NICE)
-                work()
-            except BaseException as e:  # re-raised on the training thread
-                self._error = e
-
-        self._thread = threading.Thread(target=run, name="vitforge-upload", daemon=True)
-        self._thread.start()
-
-    def busy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def wait(self) -> float:
-        """Block until the upload in flight is done; return the seconds waited."""
-        start = time.perf_counter()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            if isinstance(error, VitforgeError):
-                raise error
-            raise StorageError(f"checkpoint upload failed: {type(error).__name__}: {error}") from error
-        return time.perf_counter() - start
 
 
 class Checkpointer:
@@ -347,8 +290,8 @@ class Checkpointer:
         If `tag`/universal.json exists, the universal checkpoint beside the checkpoint is used as it
         is. Otherwise rank 0 alone fetches the whole checkpoint, runs ds_to_universal and publishes
         the result there, its marker last (a job that does not own the run, checkpoint.save=false,
-        may not write it: then every node converts for itself, as before). Each node's leader then
-        fetches only what its ranks read: what DeepSpeed's universal loading opens per rank is the
+        may not write it: then every node fetches the whole checkpoint and converts it for itself).
+        Each node's leader then fetches only what its ranks read: what DeepSpeed's universal loading opens per rank is the
         model-states file (under ZeRO-1/2 the whole module in its training dtype, M bytes; under
         ZeRO-3 rank 0's, small), zero/optimizer_state.pt (small), and under ZeRO-1/2 the fp32,
         exp_avg and exp_avg_sq files of only the parameters with a fragment in the rank's partition
@@ -356,8 +299,7 @@ class Checkpointer:
         every full tensor and keeps its slice). Per node, with L ranks of R and U = 12 bytes per
         parameter: rank 0's node downloads the checkpoint once and converts it; every other node
         downloads about M + U*L/R under ZeRO-1/2, U under ZeRO-3, plus rank 0's state files; none
-        converts. Before, every node downloaded the whole checkpoint and converted it. A node's
-        failed fetch makes rank 0 read the published copy once against its marker: converted and
+        converts. A node's failed fetch makes rank 0 read the published copy once against its marker: converted and
         published again only if it is bad there, else fetched again (other jobs may be reading it).
         Host memory: the marker (one line per file) and every rank's parameter names (about P + R
         names in all) are gathered on every rank."""

@@ -64,13 +64,13 @@ def main(argv: list[str], evaluate: bool = False) -> int:
         ([f"train.profile_steps={args.profile}"] if getattr(args, "profile", None) else [])
     cfg = load_config(args.config, overrides)
     if evaluate:
-        from .train import run_eval
+        from .entry import run_eval
 
         overridden = {item.partition("=")[0].removeprefix("model.") for item in args.overrides
                       if item.startswith("model.")}
         result = run_eval(cfg, args.checkpoint, overridden)
     else:
-        from .train import run
+        from .entry import run
 
         result = run(cfg)
     if process_rank() == 0:

@@ -10,21 +10,18 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from vitforge.core import is_remote, store_schemes
 from vitforge.core.store import scheme_of
-from vitforge.core.settings import Switch, load_validated
+from vitforge.core.settings import Strict, Switch, load_validated
 from vitforge.pipeline import LoaderSettings
+from vitforge.pipeline.spec import CROP_RATIO, CROP_SCALE, CropRatio, CropScale, RandAugment
 
 from .errors import ConfigError
 from .objectives import check_config
 
 RECIPES = Path(__file__).resolve().parent / "recipes"
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
 
 class ModelConfig(Strict):
@@ -68,13 +65,13 @@ class AugmentConfig(Strict):
     position) by the loader; Mixup/CutMix per (seed, step, micro-batch, rank) on the device batch:
     a resumed run augments exactly as an uninterrupted one."""
 
-    crop_scale: tuple[float, float] = (0.08, 1.0)
+    crop_scale: CropScale = CROP_SCALE
     """Random-resized-crop area fraction range (the Inception crop's by default)."""
-    crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    crop_ratio: CropRatio = CROP_RATIO
     """Random-resized-crop aspect-ratio range."""
     flip: bool = True
     """Horizontal flip with probability 1/2."""
-    randaugment: tuple[int, int] | None = None
+    randaugment: RandAugment = None
     """RandAugment: [operations per image, magnitude bin 0-30], e.g. [2, 9] (DeiT's rand-m9-n2); null: off."""
     label_smoothing: float = Field(0.0, ge=0, lt=1)
     """Target mass spread evenly over all classes."""
@@ -86,16 +83,6 @@ class AugmentConfig(Strict):
     """Share of micro-batches mixed."""
     switch_prob: float = Field(0.5, ge=0, le=1)
     """With Mixup and CutMix both on: the share of mixed micro-batches that use CutMix."""
-
-    @model_validator(mode="after")
-    def _ranges(self):
-        if not 0 < self.crop_scale[0] <= self.crop_scale[1] <= 1:
-            raise ValueError(f"crop_scale must satisfy 0 < min <= max <= 1, not {list(self.crop_scale)}")
-        if not 0 < self.crop_ratio[0] <= self.crop_ratio[1]:
-            raise ValueError(f"crop_ratio must satisfy 0 < min <= max, not {list(self.crop_ratio)}")
-        if self.randaugment is not None and not (self.randaugment[0] >= 1 and 0 <= self.randaugment[1] <= 30):
-            raise ValueError(f"randaugment must be [operations >= 1, magnitude 0-30], not {list(self.randaugment)}")
-        return self
 
 
 class OptimizerConfig(Strict):

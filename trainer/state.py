@@ -2,7 +2,7 @@
 
 The Checkpointer is handed the parts (StateParts) and saves and restores them; DeepSpeed saves the
 model and optimiser itself, and the step is the checkpoint's own name (step_N, manifest.json).
-Adding a part is one entry in the dict that `train._build` hands over: per-rank parts go to
+Adding a part is one entry in the dict that `build.build_trainer` hands over: per-rank parts go to
 `rank{r}_state.pt` (one file per rank, part name -> state), shared parts to `shared_state.pt`
 (written once, by rank 0).
 """

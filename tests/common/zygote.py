@@ -57,7 +57,7 @@ def _preload() -> None:
 
     import vitforge.cli  # noqa: F401
     import vitforge.trainer.cli  # noqa: F401
-    import vitforge.trainer.train  # noqa: F401
+    import vitforge.trainer.entry  # noqa: F401
     import vitforge.pipeline.torch_backend  # noqa: F401
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from vitforge.core import CheckpointError, store_s3
 from vitforge.core.store import UPLOAD_THREADS
-from vitforge.trainer.checkpoint import UPLOAD_NICE, Uploader
+from vitforge.trainer.uploader import UPLOAD_NICE, Uploader
 from vitforge.trainer.run_store import UPLOAD_FILES, RunStore
 
 PART = 5 << 20  # S3's smallest part, so a few MiB make multipart uploads of several parts

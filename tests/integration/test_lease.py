@@ -13,27 +13,23 @@ import time
 
 import pytest
 
-from common.cli import REPO
 from vitforge.core import open_store
 
 PERIOD = 2.0  # the lease period of every process here, in seconds
 SKEW = {"-15m": -900.0, "+15m": 900.0}
 
 # One process holding or taking the lease, driven by commands on stdin (acquire, try_acquire SECONDS,
-# refresh, release), one JSON answer per command. It loads run_store.py by itself: the vitforge.trainer package imports
-# torch and DeepSpeed (about 20 s on a busy 2-core machine), run_store needs only vitforge.core.
+# refresh, release), one JSON answer per command (vitforge.trainer imports no torch: the child starts in a second).
 # libfaketime 0.9.10 breaks Python 3.11's time.sleep under FAKETIME_DONT_FAKE_MONOTONIC (EINVAL from
 # clock_nanosleep on an absolute monotonic deadline, libfaketime issue 426): the child sleeps on a
 # condition variable instead, which waits on the true monotonic clock just the same.
 CHILD = """
-import importlib.util, json, os, sys, threading, time
+import json, os, sys, threading, time
 time.sleep = lambda seconds: threading.Event().wait(seconds)
-spec = importlib.util.spec_from_file_location("run_store_alone", sys.argv[1])
-module = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = module
-spec.loader.exec_module(module)
-url, seconds, host = sys.argv[2], float(sys.argv[3]), sys.argv[4]
-lease = module.Lease(module.RunStore(url), seconds / 60, me={**module.job_identity(), "host": host})
+from vitforge.trainer.lease import Lease, job_identity
+from vitforge.trainer.run_store import RunStore
+url, seconds, host = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+lease = Lease(RunStore(url), seconds / 60, me={**job_identity(), "host": host})
 lease.run.store.get_versioned("lease.json")  # the S3 client is made here, not inside a timed command
 print(json.dumps({"time": time.time(), "pid": os.getpid(), "job": lease.me["job"]}), flush=True)
 for line in sys.stdin:
@@ -59,7 +55,7 @@ class Child:
         prefix = ["faketime", "-f", skew] if skew else []
         clean = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
         self.process = subprocess.Popen(
-            prefix + [sys.executable, "-c", CHILD, str(REPO / "trainer" / "run_store.py"), url, str(PERIOD), host],
+            prefix + [sys.executable, "-c", CHILD, url, str(PERIOD), host],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=cwd,
             env={**clean, "FAKETIME_DONT_FAKE_MONOTONIC": "1", **(env or {})})
         self.skew, self.host, self.started = skew, host, time.time()
@@ -175,7 +171,8 @@ def test_a_requeued_incarnation_takes_over_at_once_and_its_stale_self_is_fenced(
 
 def test_a_lease_write_whose_reply_was_lost_is_kept_not_taken_for_a_lost_run(tmp_path):
     from vitforge.core import StorageError
-    from vitforge.trainer.run_store import HELD, LEASE, Lease, RunStore
+    from vitforge.trainer.lease import HELD, Lease
+    from vitforge.trainer.run_store import LEASE, RunStore
 
     lease = Lease(RunStore(str(tmp_path / "run")), PERIOD / 60, me={"job": "a", "incarnation": 0, "host": "h",
                                                                       "pid": 1})

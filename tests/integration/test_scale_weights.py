@@ -141,7 +141,7 @@ def worker_collectives(data: str, out: str) -> None:
     from vitforge.trainer.distributed import detect_env, init_distributed, shutdown
     from vitforge.trainer.export import load_broadcast
     from vitforge.trainer.preemption import StopRequest
-    from vitforge.trainer.train import _build
+    from vitforge.trainer.build import build_trainer as _build
 
     cfg = load_config("tiny_cpu", [f"data.train={data}/train", f"data.val={data}/val", "data.backend=torch",
                                    "data.workers=0", f"checkpoint.dir={out}", "checkpoint.run=fake",
@@ -177,7 +177,7 @@ def worker_weights(run_url: str, out: str, stage: int, precision: str) -> None:
     from vitforge.trainer.distributed import detect_env, init_distributed, shutdown
     from vitforge.trainer.engine import build_engine
     from vitforge.trainer.export import consolidate_on_rank0, load_broadcast
-    from vitforge.trainer.train import _init_from
+    from vitforge.trainer.build import init_from as _init_from
 
     env = detect_env()
     device = init_distributed(env)

@@ -24,7 +24,7 @@ from common.cli import EXTENSIONS, REPO, start_ranks, train, train_args
 from common.services import start_or_fail
 from vitforge.core import errors
 from vitforge.testing import start_local_mlflow
-from vitforge.trainer import tracking
+from vitforge.trainer.tracking import feed as tracking
 from vitforge.trainer.config import MLflowTracking
 from vitforge.trainer.run_store import RunStore
 from vitforge.trainer.tracking import MLFLOW_BOUNDS, MLFLOW_QUIET, TRACKING, MLflowSink, TrackingFeed, check_trackers

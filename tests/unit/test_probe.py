@@ -161,7 +161,7 @@ def test_ema_weights_reach_a_bf16_model_in_its_own_dtype():
     """DeepSpeed's bf16 module with the EMA's fp32 weights: cast to the module's dtypes, the probe's
     forward pass runs (fp32 weights on bf16 inputs would fail in the first convolution)."""
     from vitforge.trainer import build_model, get_objective
-    from vitforge.trainer.train import like_parameters
+    from vitforge.trainer.ema import like_parameters
 
     model = build_model("vit_tiny_cpu", 7, 32).to(torch.bfloat16).eval()
     ema = {k: v.detach().float() for k, v in model.named_parameters()}
