@@ -8,9 +8,10 @@ takes the launch's argv, environment, working folder and stdio, and runs the sam
 as `python -m vitforge` does, as a real process of its own: its own pid to signal, its own exit
 code, its own ranks' collectives. It reads os.environ at run time as a fresh process would; what a
 fresh interpreter reads only at start (PYTHON*, a preloaded library, faketime) cannot be given to a
-fork, so such launches start a fresh process as before (`usable`). Under `make coverage` the zygote
-is measured as any process the tests start, and each fork measures itself from its first line
-(ci/coverage.rc: patch = fork). What a fork shares with the zygote and a fresh process does not:
+fork, so such launches start a fresh process (`usable`). Under `make coverage` every launch starts a
+fresh process too: coverage measures a fork's main thread but no thread the fork starts (the
+loader's read-ahead, the cache's fetches, the lease's heartbeat), which a run with forks lost
+(`make coverage` at af80be7: pipeline/ahead.py 14 of 32 lines against 25 fresh). What a fork shares with the zygote and a fresh process does not:
 the modules already imported (a test of what a command imports starts a fresh process itself) and
 the string-hash seed (ranks forked from one zygote iterate a set of strings in one order; the ranks
 SLURM, srun and torchrun start in the cluster, kill -9 and world-size tests are fresh processes,
@@ -44,6 +45,8 @@ START_ONLY = ("PYTHON", "LD_PRELOAD", "FAKETIME", "COVERAGE_", "OMP_", "MKL_", "
 
 def usable(env: dict, zygote_env: dict) -> bool:
     """Whether a launch with `env` may be a fork of a zygote started with `zygote_env`."""
+    if "COVERAGE_PROCESS_CONFIG" in env or "COVERAGE_PROCESS_START" in env:
+        return False  # coverage traces no thread a fork starts: measured launches start afresh
     names = {name for name in {*env, *zygote_env} if name.startswith(START_ONLY)}
     return all(env.get(n) == zygote_env.get(n) for n in names)
 

@@ -51,3 +51,7 @@ def test_only_a_launch_with_the_zygotes_start_time_settings_is_forked():
     for changed in ({"OMP_NUM_THREADS": "2"}, {"PYTHONPATH": "/elsewhere"}, {"LD_PRELOAD": "libfaketime.so"},
                     {"TORCH_EXTENSIONS_DIR": "/other"}, {"COVERAGE_PROCESS_START": "rc"}, {"HF_HOME": "/h"}):
         assert not usable({**base, **changed}, base), changed
+    # Under coverage nothing is forked, even from a zygote measured the same way: a fork's threads
+    # (read-ahead, cache fetches, the lease's heartbeat) would go unmeasured.
+    measured = {**base, "COVERAGE_PROCESS_CONFIG": "ci/coverage.rc"}
+    assert not usable(measured, measured)
