@@ -10,6 +10,8 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from common.cli import EXTENSIONS, REPO, launch
 from common.zygote import usable
 
@@ -27,6 +29,8 @@ def _forked(argv: list[str], env: dict) -> tuple[int, str, str]:
     return process.returncode, stdout, stderr
 
 
+@pytest.mark.skipif("COVERAGE_PROCESS_CONFIG" in os.environ,
+                    reason="under `make coverage` no launch is forked (coverage would not trace a fork's threads)")
 def test_a_forked_launch_gives_what_a_fresh_process_gives(tmp_path):
     env = {**os.environ, **EXTENSIONS, "TMPDIR": str(tmp_path)}
     for argv in (["--version"], ["train", "tiny_cpu", "--set", "train.steps=-1"], ["no-such-command"],
