@@ -6,8 +6,9 @@ A table is a plain dict: name -> the implementation, or "module:attribute" namin
 `known_implementations`). A string is imported when its name is first used and then kept in the
 table, so a table can name implementations whose modules import torch, DALI or a cloud client
 without a login node that only validates a config ever importing them. Installed packages add
-names through an entry-point group (name: the key; value: "module:attribute"), read once per table,
-on the first unknown name or listing; a name the table already has is not replaced by one.
+names through an entry-point group (name: the key; value: "module:attribute"), read when a name is
+not in the table or the names are listed (stores read theirs once per process); a name the table
+already has is not replaced by one.
 Registering a name twice is the registering module's error to raise (each says it in its own
 words); an unknown name is an error listing the known ones.
 
