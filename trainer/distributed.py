@@ -36,6 +36,7 @@ log = logging.getLogger("vitforge.distributed")
 
 T = TypeVar("T")
 S = TypeVar("S")
+E = TypeVar("E", bound=BaseException)
 
 
 def detect_env(environ: dict | None = None) -> SchedulerEnv:
@@ -201,6 +202,17 @@ class PeerWatch:
                 log.debug("peer watch: %s", e)
 
 
+def together(error: E) -> E:
+    """Mark `error` as raised by every rank at the same point (what `agree` or `all_ok` shares, a
+    flag agreed at a step): the ranks can then leave as on success, with a barrier (`shutdown`)."""
+    error.vitforge_raised_together = True
+    return error
+
+
+def raised_together(error: BaseException) -> bool:
+    return getattr(error, "vitforge_raised_together", False)
+
+
 def shutdown(graceful: bool = True) -> None:
     """On success: barrier then destroy, so no rank exits while another still talks to it (about 1
     run in 6 aborts at exit otherwise, docs/ARCHITECTURE.md). On error: destroy at once, which breaks
@@ -226,7 +238,7 @@ def agree(fn: Callable[[], T]) -> T:
     dist.broadcast_object_list(box, src=0)
     kind, value = box[0]
     if kind == "error":
-        raise value
+        raise together(value)
     return value
 
 
@@ -272,5 +284,5 @@ def all_ok(fn: Callable[[], T]) -> list[T]:
     dist.all_gather_object(results, mine)
     for kind, value in results:
         if kind == "error":
-            raise value
+            raise together(value)
     return [value for _, value in results]

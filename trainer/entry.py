@@ -13,7 +13,7 @@ from vitforge.core import VitforgeError, die_with_parent
 
 from .build import build_data_loader, build_trainer, check_labelled, probe_loaders
 from .config import Config, ConfigError
-from .distributed import PeerWatch, all_ok, detect_env, init_distributed, shutdown
+from .distributed import PeerWatch, all_ok, detect_env, init_distributed, raised_together, shutdown
 from .engine import set_tf32
 from .export import consolidate_on_rank0, load_broadcast
 from .model import build_model, check_model_config
@@ -58,8 +58,11 @@ def run(cfg: Config) -> dict:
     except Requeue:
         ok = checkpointer is not None  # every rank agreed to stop and the checkpoint is complete: leave together
         raise
-    except RuntimeError as e:  # what a failed collective raises; with every peer alive it stays an error
-        lost = peers.lost() if peers is not None and not isinstance(e, VitforgeError) else []
+    except Exception as e:
+        ok = raised_together(e)  # every rank stops at this point: they leave together, as on success
+        # a failed collective raises a RuntimeError; with every peer alive it stays an error
+        collective = isinstance(e, RuntimeError) and not isinstance(e, VitforgeError) and not ok
+        lost = peers.lost() if peers is not None and collective else []
         if lost:
             # gloo prefixes its source location: "[.../unbound_buffer.cc:78] Timed out waiting 8000ms ..."
             first = re.sub(r"^\[[^\]]*\] ", "", (str(e).strip() or type(e).__name__).splitlines()[0])

@@ -26,6 +26,7 @@ from vitforge.core import errors as exit_codes
 
 from .checkpoint import Checkpointer
 from .config import Config
+from .distributed import together
 from .ema import EMA, like_parameters
 from .engine import learning_rate
 from .metrics import MetricsLog
@@ -207,9 +208,9 @@ class Trainer:
         self.state.nonfinite_streak += 1
         limit = self.cfg.train.max_nonfinite
         if self.state.nonfinite_streak >= limit:
-            raise DivergedError(f"step {self.state.step}: the loss or gradient norm is not finite "
-                                f"({self.state.nonfinite_streak} consecutive step(s), train.max_nonfinite "
-                                f"{limit}); stopped before it reached a checkpoint")
+            raise together(DivergedError(f"step {self.state.step}: the loss or gradient norm is not finite "
+                                         f"({self.state.nonfinite_streak} consecutive step(s), "
+                                         f"train.max_nonfinite {limit}); stopped before it reached a checkpoint"))
 
     def log_and_evaluate(self, step: int) -> None:
         cfg = self.cfg

@@ -107,3 +107,29 @@ def test_unreachable_store_fails_naming_the_url(small_corpus, tmp_path):
     assert result.returncode == 3  # storage error
     assert "s3://nowhere-bucket/ds" in result.stderr and "Traceback" not in result.stderr
     assert SECRET not in result.stdout + result.stderr
+
+
+def test_a_port_taken_before_the_server_binds_it_is_retried_on_fresh_ports(tmp_path, monkeypatch):
+    """The test server's own start-up: another process takes the filer's port between the check
+    and weed's bind (here a listening socket held on purpose), and the start is retried."""
+    import socket
+
+    from vitforge.testing import local_s3
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    picks = iter([None, None, port])
+    pick_free = local_s3._free_base_port
+    monkeypatch.setattr(local_s3, "_free_base_port", lambda host: next(picks, None) or pick_free(host))
+    try:
+        server = local_s3.start_local_s3(str(tmp_path / "weed"))
+    finally:
+        taken.close()
+    try:
+        assert server.client().list_buckets()["Buckets"] == []
+        first = (tmp_path / "weed" / "weed.log.attempt1").read_text()
+        assert f"port {port} for Filer" in first and "is not available" in first
+    finally:
+        server.stop()
