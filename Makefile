@@ -49,13 +49,12 @@ $(MLFLOW_SERVER)/.installed: ci/mlflow-server.txt
 	touch $@
 
 # DeepSpeed's shm op, JIT-built once into the venv's cache (about 35 s on 2 cores) before the suite
-# starts, so no test pays for it and parallel workers never wait on one build. The same environment
-# as every test launch (tests/common/cli.py EXTENSIONS): the venv's ninja first on PATH.
+# starts, so no test pays for it and parallel workers never wait on one build: `vitforge build-ops`
+# builds where every train and eval looks (trainer/ops.py: the venv's ninja, {venv}/torch_extensions).
 DS_OPS := $(VENV)/torch_extensions/.built
 ds-ops: $(DS_OPS)
 $(DS_OPS): $(STAMP)
-	TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/torch_extensions PATH=$(abspath $(VENV))/bin:$$PATH OMP_NUM_THREADS=1 \
-		$(PY) -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" >/dev/null
+	OMP_NUM_THREADS=1 $(VENV)/bin/vitforge build-ops
 	touch $@
 
 # pytest-xdist workers. Most of the suite waits (SLURM polls, requeues, leases, timeouts), so more

@@ -45,9 +45,15 @@ def job_info(job: str) -> dict[str, str]:
     return parse_job_info(_run(["scontrol", "show", "job", "-o", str(job)]))
 
 
+# `scontrol show job -o` prints KEY=VALUE pairs separated by spaces, and a value (StdOut, WorkDir,
+# Command, a job name) may hold spaces itself: a value runs up to the next " KEY=". Keys are words,
+# with ':' and '/' inside some (NtasksPerN:B:S:C, Socks/Node).
+_PAIR = re.compile(r"(?:^|\s)([A-Za-z][\w:/]*)=(.*?)(?=\s+[A-Za-z][\w:/]*=|\s*$)", re.DOTALL)
+
+
 def parse_job_info(text: str) -> dict[str, str]:
     """What `scontrol show job -o` printed, as job_info gives it."""
-    info = dict(re.findall(r"(\w+(?::\w+)?)=(\S*)", text))
+    info = dict(_PAIR.findall(text.strip()))
     info.setdefault("Restarts", info.get("RestartCnt", "0"))
     return info
 

@@ -30,6 +30,18 @@ log = logging.getLogger("vitforge.retry")
 PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, StorageError)
 
 
+def failure_kind(error: BaseException) -> str:
+    """How a failed store operation ends, decided here for every store: "usage" (a name or an
+    argument the client refused before sending anything, e.g. google's ValueError for a bad
+    bucket name: the user's to fix, exit 2 at once), "permanent" (absent, refused: fails at once),
+    "transient" (anything else a network or a service can do: retried within the bounds)."""
+    if isinstance(error, TransientError):
+        return "transient"
+    if isinstance(error, UsageError) or (isinstance(error, ValueError) and not isinstance(error, UnicodeError)):
+        return "usage"  # a body that fails to parse is transient: it raises UnicodeError or a client's own type
+    return "permanent" if isinstance(error, PERMANENT) else "transient"
+
+
 class TransientError(OSError):
     """Worth another try: a throttled or failed request, a reset connection, a body cut short."""
 
@@ -110,9 +122,12 @@ def with_retries(fn: Callable[[], T], what: str, attempts: int = 6, base_delay: 
         for attempt in range(1, attempts + 1):
             try:
                 return fn()
-            except PERMANENT:
-                raise
             except Exception as e:  # storage clients raise many unrelated types for one flaky network
+                kind = failure_kind(e)
+                if kind == "usage" and not isinstance(e, UsageError):
+                    raise UsageError(f"{what}: {e}") from None
+                if kind != "transient":
+                    raise
                 delay = base_delay * 2 ** (attempt - 1) * (0.5 + random.random())
                 if attempt == attempts:
                     raise StorageError(f"{what}: failed after {attempt} attempts: {type(e).__name__}: {e}") from None

@@ -10,6 +10,7 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError
 
 from .errors import UsageError
+from .urls import masked
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -65,7 +66,7 @@ def problems(e: ValidationError) -> str:
         message = "unknown key" if problem["type"] == "extra_forbidden" else \
             problem["msg"].removeprefix("Value error, ")
         shown = problem["type"] != "extra_forbidden" and not isinstance(problem["input"], dict)
-        lines.append(f"{key}: {message}" + (f" (got {problem['input']!r})" if shown else ""))
+        lines.append(masked(f"{key}: {message}" + (f" (got {problem['input']!r})" if shown else "")))
     return "; ".join(lines)
 
 

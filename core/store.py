@@ -17,7 +17,8 @@ What every implementation guarantees (tests/integration/test_store_contract.py r
 - a missing object raises FileNotFoundError naming its URL; a store that refuses (no bucket, bad
   credentials) raises StorageError in one line naming the URL and the cause, without a secret;
   a transfer cut short is retried within the bounds of retry.py.
-Credentials come from each cloud's standard chain, never from a URL, a config or our arguments.
+Credentials come from each cloud's standard chain, never from a URL, a config or our arguments: a
+URL with a query string, a password or a `..` segment is refused before any store opens (urls.py).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from . import registry
 from .errors import StorageError, UsageError
 from .files import PARTIAL_MARK
 from .retry import TransientError
+from .urls import check_store_url
 
 ENTRY_POINT_GROUP = "vitforge.stores"
 # Parts (blocks) of one file an object store uploads at once, per rank: enough for a remote store's
@@ -166,6 +168,8 @@ def open_store(url: str, work_dir: str = "_work/tmp") -> Store:
     """The store rooted at `url`. `work_dir`: where a local store keeps temporaries (inside the
     store, so renames are atomic); object stores stage on local disk instead."""
     scheme = scheme_of(url)
+    if is_remote(url):
+        check_store_url(url)
     opener = registry.find(_openers, scheme, more=_load_entry_points, unknown=lambda known: UsageError(
         f"{url}: no store for {scheme}:// (known: {', '.join(s + '://' for s in known)}; "
         f"a package adds one through the entry point group {ENTRY_POINT_GROUP!r})"))
@@ -201,7 +205,7 @@ def object_store(url: str) -> tuple[Store, str]:
     if not is_remote(url):
         path = os.path.abspath(url.removeprefix("file://"))
         return open_store(os.path.dirname(path)), os.path.basename(path)
-    scheme, rest = url.split("://", 1)
+    scheme, rest = url.split("://", 1)  # an object's key may hold '?' or '#': only its bucket's URL is checked
     bucket, _, name = rest.partition("/")
     if not name.strip("/"):
         raise IsADirectoryError(f"{url}: a bucket, not an object")  # a bad input, not a failed store

@@ -16,8 +16,10 @@ deadline) and log each failed attempt. with_retries is added only for what googl
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,6 +32,7 @@ log = logging.getLogger("vitforge.store")
 LIST_PAGE_KEYS = 1000  # objects per listing page (GCS's most): what a listing holds at a time
 UPLOAD_CHUNK_BYTES = 64 << 20  # per resumable request: the memory an upload holds, and its restart unit
 POOL_CONNECTIONS = 32
+BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]")  # Google's rules; a dotted name's parts <= 63
 
 
 def open_gcs(url: str, work_dir: str) -> "GCSStore":
@@ -38,7 +41,11 @@ def open_gcs(url: str, work_dir: str) -> "GCSStore":
     except ImportError as e:
         raise UsageError(f"gs:// stores need the Google Cloud Storage client ({e.name} is missing): "
                          "pip install 'vitforge[gcs]'") from None
-    return GCSStore(*bucket_and_prefix(url))
+    bucket, prefix = bucket_and_prefix(url)
+    if not BUCKET_NAME.fullmatch(bucket) or max(len(part) for part in bucket.split(".")) > 63:
+        raise UsageError(f"{url}: {bucket!r} is not a bucket name (3-63 lower-case letters, digits, '-', '_' and "
+                         "'.', starting and ending with a letter or digit)")
+    return GCSStore(bucket, prefix)
 
 
 @dataclass
@@ -91,9 +98,8 @@ class GCSStore(StagedStore):
         except (api.Unauthorized, api.Forbidden) as e:
             raise StorageError(f"{url}: {e.code} {_reason(e)}: access refused (credentials come from "
                                "GOOGLE_APPLICATION_CREDENTIALS or Application Default Credentials)") from None
-        except DefaultCredentialsError:
-            raise StorageError(f"{url}: no Google credentials found (set GOOGLE_APPLICATION_CREDENTIALS, run "
-                               "`gcloud auth application-default login`, or run where a metadata server is)") from None
+        except DefaultCredentialsError as e:
+            raise StorageError(f"{url}: {_credentials_problem(e)}") from None
         except RefreshError as e:
             raise StorageError(f"{url}: the Google credentials were refused: {_first_line(e)}") from None
         except DataCorruption as e:
@@ -275,6 +281,31 @@ def _retry(what: str, requests: int = 1):
     # timeout of google's own: `failed` gives up at the first failure after our deadline.
     return Retry(predicate=DEFAULT_RETRY._predicate, initial=0.2, maximum=10, multiplier=2, timeout=None,
                  on_error=failed)
+
+
+def _credentials_problem(error: Exception) -> str:
+    """Why Application Default Credentials failed: the file GOOGLE_APPLICATION_CREDENTIALS names and
+    what is wrong with it when it is set (never its contents), else that none were found."""
+    path = os.environ.get("GOOGLE_APPLICATION_CREDENTIALS")
+    if not path:
+        return ("no Google credentials found (set GOOGLE_APPLICATION_CREDENTIALS, run `gcloud auth "
+                "application-default login`, or run where a metadata server is)")
+    try:
+        with open(path, "rb") as f:
+            text = f.read()
+    except FileNotFoundError:
+        return f"GOOGLE_APPLICATION_CREDENTIALS names {path}, which does not exist"
+    except OSError as e:
+        return f"GOOGLE_APPLICATION_CREDENTIALS names {path}, which cannot be read ({e.strerror})"
+    try:
+        info = json.loads(text)
+    except ValueError:
+        return (f"GOOGLE_APPLICATION_CREDENTIALS names {path}, which is not JSON (a service-account key or "
+                "`gcloud auth application-default login`'s file is)")
+    if not isinstance(info, dict) or "type" not in info:
+        return f"GOOGLE_APPLICATION_CREDENTIALS names {path}, a JSON file with no 'type': not a Google credentials file"
+    cause = error.__cause__ or error  # google names the file in its own line; the detail is the cause's
+    return f"GOOGLE_APPLICATION_CREDENTIALS names {path}, which Google's client refused: {_first_line(cause)}"
 
 
 def _not_found():

@@ -247,11 +247,15 @@ def as_int(value) -> int | None:
 
 
 def _resolve(path: str, base: str) -> str:
-    if not path or is_url(path) or path.startswith("/"):
+    """A row's path as a source: a URL with its `..` resolved (an object store would keep them in
+    the name, and store URLs refuse them), a local path joined to the manifest's folder."""
+    if is_url(path):
+        return _normalise_url(path)
+    if not path or path.startswith("/"):
         return path
     if path.startswith("file://"):
         return path[len("file://"):]
-    return posixpath.join(base, path) if is_url(base) else os.path.join(base, path)
+    return _normalise_url(posixpath.join(base, path)) if is_url(base) else os.path.join(base, path)
 
 
 def _jsonable(value):

@@ -8,7 +8,7 @@ from .run_store import RunStore, tag_for
 
 # torch, timm and DeepSpeed take seconds to import: the modules that import them load on first use,
 # so `vitforge train` with a bad config fails at once (its config is read before `run` is named).
-HEAVY = {"distributed": ("PeerWatch", "check_socket_interfaces"),
+HEAVY = {"distributed": ("check_socket_interfaces",), "peers": ("PeerWatch",),
          "model": ("PAPER_PARAMETERS", "PEAK_FLOPS", "TINY_MODELS", "TINY_RESNETS", "adapt_state_dict", "build_model",
                    "check_model_config", "check_model_name", "forward_flops", "is_vit", "parameter_count"),
          "objective": ("OBJECTIVES", "Objective", "get_objective", "register_objective"),

@@ -20,6 +20,7 @@ from .distributed import agree_keeping, all_ok, broadcast_state
 from .ema import EMA
 from .engine import build_engine
 from .export import check_fits, consolidate
+from .identity import CHANGES, check_resume
 from .metrics import MetricsLog
 from .model import adapt_state_dict, build_model
 from .objective import OBJECTIVES, Objective, get_objective
@@ -93,17 +94,30 @@ def build_trainer(cfg: Config, env, device, stop: StopRequest) -> tuple[Trainer,
                 **cfg.deepspeed.get("checkpoint", {}), "load_universal": True}}})
         return build_engine(config, make_model, env.world_size, device)
 
-    engine, restored = checkpointer.restore(engine_for, cfg.checkpoint.resume)
+    config = cfg.model_dump(mode="json")
+    changes: dict[str, list] = {}
+
+    def same_run(manifest: dict, url: str) -> None:
+        changes.clear()
+        changes.update(check_resume(manifest, config, num_classes, url))
+
+    engine, restored = checkpointer.restore(engine_for, cfg.checkpoint.resume, same_run)
+    history = list(restored.manifest.get(CHANGES, [])) if restored is not None else []
+    if restored is not None and changes:
+        log.info("resuming %s with changed settings: %s", checkpointer.run.object_url(restored.tag),
+                 "; ".join(f"{key} {saved!r} -> {now!r}" for key, (saved, now) in changes.items()))
+        history.append({"step": restored.step, "settings": changes})
     if restored is None and cfg.checkpoint.init_from:
         changes = init_from(engine, cfg.checkpoint.init_from, device, make_model)
         log.info("initialised from %s (%s)", cfg.checkpoint.init_from, "; ".join(changes) or "as is")
     if ema is not None:  # unless restored: from the weights training starts from (restored, fine-tuned from, fresh)
         ema.start(engine.module)
     trainer = Trainer(cfg, env, device, engine, train_loader, val_loader, objective,
-                      checkpointer, metrics, ema, {"config": cfg.model_dump(mode="json"), "num_classes": num_classes,
+                      checkpointer, metrics, ema, {"config": config, "num_classes": num_classes,
                                                    "train_samples": train_loader.num_samples,
                                                    "classes": getattr(index, "classes", None),
-                                                   "objective": cfg.train.objective}, stop, probes)
+                                                   "objective": cfg.train.objective,
+                                                   **({CHANGES: history} if history else {})}, stop, probes)
     metrics.open()
     if restored is not None:
         trainer.state.step = restored.step

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from vitforge.core import CheckpointError, StorageError, __version__
 
-from .distributed import agree, all_ok
+from .distributed import agree, all_ok, together
 from .lease import Lease
 from .run_store import LATEST, MANIFEST, MANIFEST_VERSION, METRICS, RECEIPTS, UNIVERSAL, RunStore, tag_for
 from .state import RankBound, StateParts
@@ -143,7 +143,16 @@ class Checkpointer:
             if note:
                 log.warning("%s", note)
             incomplete, aborted = self.run.clean_incomplete()
-            self.known_tags.update(self.run.step_folders())
+            folders = self.run.step_folders()
+            self.known_tags.update(folders)
+            with_manifest = [tag for tag, files in folders.items() if MANIFEST in files]
+            if self.lease.checkpoints is None:  # a run from before the published list: its manifests count
+                self.lease.checkpoints = with_manifest
+            unpublished = [tag for tag in with_manifest if tag not in self.lease.checkpoints]
+            if unpublished:
+                log.warning("%s: %s have a manifest but were never published by the run's holder (a stale "
+                            "copy's, written after the run was taken over): never resumed from",
+                            self.run.url, ", ".join(unpublished))
             if incomplete or aborted:
                 log.info("removed what earlier attempts left unfinished: %s%s", ", ".join(incomplete) or "",
                          f" ({aborted} unfinished uploads aborted)" if aborted else "")
@@ -167,6 +176,7 @@ class Checkpointer:
             # Saving a step again (after falling back past it): the old folder goes first (its
             # manifest before its files), so stale receipts can never be mixed into the new checkpoint.
             # No rank uploads before DeepSpeed's save below ends in a barrier.
+            self.lease.forget([tag])
             self.run.delete_tags([tag])
         self.known_tags.add(tag)
         folder = os.path.join(self.staging, f"rank{self.rank}")
@@ -213,24 +223,29 @@ class Checkpointer:
             time.sleep(0.2)
         files = {name: meta for r in sorted(receipts) for name, meta in receipts[r]["files"].items()}
         manifest = {"manifest_version": MANIFEST_VERSION, "created_by": f"vitforge {__version__}",
-                    "versions": _versions(), "files": dict(sorted(files.items())), **manifest}
-        # Ownership checked before the checkpoint comes to exist (its manifest) and again right before
-        # `latest` moves: a copy that lost the run to a requeued incarnation writes neither.
+                    "versions": _versions(), "files": dict(sorted(files.items())), "run_id": self.lease.run_id,
+                    "epoch": self.lease.epoch, **manifest}
+        # Ownership checked before the manifest is written, and the checkpoint published (its tag
+        # listed in the lease) in a write conditional on this job's lease version: a copy that lost
+        # the run, even one whose manifest landed after the takeover, publishes nothing.
         self.lease.refresh()
         self.run.put_bytes(f"{tag}/{MANIFEST}", json.dumps(manifest, indent=1, sort_keys=True).encode())
         if metrics:
             self.run.upload(metrics, METRICS)
-        self.lease.refresh()
+        self.lease.publish(tag)
         self.run.put_bytes(LATEST, tag.encode())
         deleted = self.run.retention(self.keep_last, self.keep_every, tag)
+        self.lease.forget(deleted)
         log.info("checkpoint %s complete%s", self.run.object_url(tag),
                  f"; retention removed {', '.join(deleted)}" if deleted else "")
 
     # -- restoring ---------------------------------------------------------------------------
-    def restore(self, engine_for, resume) -> tuple[object, Restored | None]:
+    def restore(self, engine_for, resume, check=None) -> tuple[object, Restored | None]:
         """Collective. `engine_for(universal: bool)` builds the engine (DeepSpeed must know at
         construction whether it will load a universal checkpoint). Loads the parts from the first
-        usable checkpoint; returns (engine, restored or None)."""
+        usable checkpoint; returns (engine, restored or None). `check(manifest, url)`, a function of
+        the manifest alone run before a candidate is loaded, may refuse it for good (raising
+        anything but a CheckpointError)."""
         candidates = agree(lambda: self.run.candidates(resume))
         if not candidates:
             return engine_for(False), None
@@ -239,6 +254,11 @@ class Checkpointer:
         def attempt(tag: str) -> tuple[object, Restored]:
             nonlocal engine, universal
             manifest = agree(lambda: self.run.manifest(tag))
+            if check is not None:
+                try:
+                    check(manifest, self.run.object_url(tag))
+                except Exception as e:  # of the agreed manifest alone: every rank raises it here
+                    raise together(e)
             resharded = manifest["world_size"] != self.world_size
             if resharded != universal:  # built first: which universal files a rank reads depends on it
                 engine, universal = engine_for(resharded), resharded

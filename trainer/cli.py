@@ -15,6 +15,7 @@ import json
 from vitforge.core import process_rank, setup_logging
 
 from .config import RECIPES, load_config
+from .ops import use_op_cache
 
 
 def _parser(prog: str, evaluate: bool) -> argparse.ArgumentParser:
@@ -60,6 +61,7 @@ def _window(text: str) -> list[int]:
 def main(argv: list[str], evaluate: bool = False) -> int:
     args = _parser("vitforge eval" if evaluate else "vitforge train", evaluate).parse_args(argv)
     setup_logging()
+    use_op_cache()
     overrides = args.overrides + ([f"eval.fewshot={args.fewshot}"] if getattr(args, "fewshot", None) else []) + \
         ([f"train.profile_steps={args.profile}"] if getattr(args, "profile", None) else [])
     cfg = load_config(args.config, overrides)

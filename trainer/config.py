@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from vitforge.core import is_remote, store_schemes
+from vitforge.core import check_no_userinfo, check_store_url, is_remote, store_schemes
 from vitforge.core.store import scheme_of
 from vitforge.core.settings import Strict, Switch, load_validated
 from vitforge.pipeline import LoaderSettings
@@ -157,10 +157,13 @@ class TrainConfig(Strict):
     """End this invocation cleanly (checkpoint, then exit code 75) after this many minutes, e.g. a
     little under the scheduler's time limit (`vitforge submit` sets it from the spec's time)."""
     collective_timeout_s: float = Field(600, gt=0)
-    """Seconds the rendezvous and each collective wait for a peer. On gloo a node lost mid-run then
-    ends the surviving ranks with exit code 75 and its host's name instead of a hang (on NCCL the
-    watchdog may abort them first). Longer than the longest legitimate wait inside one, e.g. the
-    barrier after a checkpoint while the slowest rank uploads."""
+    """Seconds each collective waits for a peer. On gloo a node lost mid-run then ends the
+    surviving ranks with exit code 75 and its host's name instead of a hang (on NCCL the watchdog
+    may abort them first). Longer than the longest legitimate wait inside one, e.g. the barrier
+    after a checkpoint while the slowest rank uploads."""
+    rendezvous_timeout_s: float = Field(900, gt=0)
+    """Seconds the ranks wait at start-up for every other rank to join (a node whose container or
+    first import is slow), apart from collective_timeout_s, which may be short to catch lost peers."""
     max_nonfinite: int = Field(1, ge=1)
     """Consecutive steps with a non-finite loss or gradient norm before the run stops (exit code 5)."""
     seed: int = 0
@@ -206,6 +209,9 @@ class TrainConfig(Strict):
         return self
 
 
+MLFLOW_CREDENTIALS = "MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN)"
+
+
 class MLflowTracking(Strict):
     uri: str | None = None
     """The tracking server; null: MLFLOW_TRACKING_URI. Credentials never go here (the client
@@ -218,9 +224,8 @@ class MLflowTracking(Strict):
     @field_validator("uri")
     @classmethod
     def _no_credentials(cls, value):
-        if value is not None and "@" in value.split("://", 1)[-1].split("/", 1)[0]:
-            raise ValueError("tracking.mlflow.uri holds credentials (user:password@host): set "
-                             "MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD in the environment instead")
+        if value is not None:
+            check_no_userinfo(value, "tracking.mlflow.uri", MLFLOW_CREDENTIALS)
         return value
 
 
@@ -280,6 +285,8 @@ class CheckpointConfig(Strict):
                              f"{', '.join(s + '://' for s in store_schemes())})")
         if is_remote(value) and not value.split("://", 1)[1].split("/", 1)[0]:
             raise ValueError(f"{value!r}: no bucket in the {scheme}:// URL")
+        if is_remote(value):
+            check_store_url(value)
         return value
 
     @field_validator("run")

@@ -9,8 +9,9 @@ carry only small control data: decisions, errors, names, shapes. Never weights: 
 tensor by tensor with `broadcast_state`, so a rank's host peak is one tensor beyond what it holds.
 
 Across hosts: a wrong GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME is a config error before the
-rendezvous (`check_socket_interfaces`), every collective and the rendezvous give up after
-train.collective_timeout_s, and `PeerWatch` names the node a failed collective lost.
+rendezvous (`check_socket_interfaces`), the rendezvous gives up after train.rendezvous_timeout_s and
+every collective after train.collective_timeout_s, and `PeerWatch` (peers.py) names the node a
+failed collective lost.
 """
 
 from __future__ import annotations
@@ -18,8 +19,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import threading
-import time
 from dataclasses import replace
 from datetime import timedelta
 from typing import Callable, TypeVar
@@ -73,13 +72,15 @@ def check_socket_interfaces(environ: dict | None = None) -> None:
                               "network_interface sets both variables)")
 
 
-def init_distributed(env: SchedulerEnv, timeout_s: float = 600.0) -> torch.device:
-    """NCCL on GPUs (one per local rank), gloo on CPU. The rendezvous and every collective give up
-    after `timeout_s` (gloo raises; NCCL's watchdog may abort the process instead)."""
+def init_distributed(env: SchedulerEnv, timeout_s: float = 600.0, rendezvous_timeout_s: float = 900.0) -> torch.device:
+    """NCCL on GPUs (one per local rank), gloo on CPU. The rendezvous waits `rendezvous_timeout_s`
+    for every rank (a node's slow start-up is no lost peer); then every collective gives up after
+    `timeout_s` (gloo raises; NCCL's watchdog may abort the process instead)."""
     import deepspeed
 
     check_socket_interfaces()
     timeout = timedelta(seconds=timeout_s)
+    rendezvous = timedelta(seconds=rendezvous_timeout_s)
     # DeepSpeed makes its data-parallel groups (ZeRO's all-gathers) with new_group(ranks), which takes
     # torch's default timeout (30 minutes), not the world group's: that default (a public name of
     # torch.distributed.distributed_c10d, read when a group is made) becomes ours in this process.
@@ -89,117 +90,14 @@ def init_distributed(env: SchedulerEnv, timeout_s: float = 600.0) -> torch.devic
     if torch.cuda.is_available():
         device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-        deepspeed.init_distributed(dist_backend="nccl", timeout=timeout)
+        deepspeed.init_distributed(dist_backend="nccl", timeout=rendezvous)
     else:
         device = torch.device("cpu")
-        deepspeed.init_distributed(dist_backend="gloo", timeout=timeout)
+        deepspeed.init_distributed(dist_backend="gloo", timeout=rendezvous)
+    # torch >= 2.6 names it set_timeout; from 2.3 it was _set_pg_timeout (pyproject allows 2.4)
+    set_timeout = getattr(dist, "set_timeout", None) or c10d._set_pg_timeout
+    set_timeout(timeout)
     return device
-
-
-def connect_to_rendezvous(env: SchedulerEnv, timeout_s: float) -> dist.TCPStore:
-    """A client of the rendezvous store (rank 0's TCPStore) whose operations give up after
-    `timeout_s`; raises TimeoutError when the connection itself takes over twice that. It is made
-    on another thread and waited for a bounded time: the kernel of a frozen rank 0's host (SIGSTOP,
-    a stuck process) still accepts the connection, and TCPStore's constructor then waits for its
-    first answer with no timeout at all."""
-    outcome: list = []
-
-    def connect() -> None:
-        try:
-            outcome.append(dist.TCPStore(env.master_addr, env.master_port, is_master=False, wait_for_workers=False,
-                                         timeout=timedelta(seconds=timeout_s)))
-        except Exception as e:  # raised below, on the caller's thread
-            outcome.append(e)
-
-    thread = threading.Thread(target=connect, name="vitforge-rendezvous-client", daemon=True)
-    thread.start()
-    thread.join(2 * timeout_s)
-    if not outcome:
-        raise TimeoutError(f"rank 0's rendezvous store {env.master_addr}:{env.master_port} did not answer within "
-                           f"{2 * timeout_s:.0f} s")
-    if isinstance(outcome[0], Exception):
-        raise outcome[0]
-    return outcome[0]
-
-
-class PeerWatch:
-    """Which nodes are alive, to name the one a failed collective lost (gloo's "Timed out waiting
-    Nms for recv operation" names no peer). Each node's first rank keeps one connection to the
-    rendezvous store (rank 0's TCPStore) and a thread that adds 1 to its node's counter every
-    `interval` seconds (a fraction of the collective timeout); it registers its host name once.
-    Per rank: nothing on other ranks; on a node's first rank one connection, one thread and one
-    store write per interval (rank 0's store serves one per node: 64 at mission scale). Only when
-    reporting: a connection of its own and O(nodes) reads, twice, an interval apart.
-
-    A node whose counter stopped is lost unless its first rank left on purpose (`close`, on its
-    own error or at the end): then the collective failed because of that error, which stays one.
-    When the store cannot be reached, rank 0's node (which holds it) is the lost one."""
-
-    PREFIX = "vitforge/peers/"
-
-    def __init__(self, env: SchedulerEnv, timeout_s: float):
-        self.env = env
-        self.node = env.rank // env.local_world_size
-        self.nodes = -(-env.world_size // env.local_world_size)
-        self.interval = min(5.0, timeout_s / 8)
-        box = [socket.gethostname()]
-        dist.broadcast_object_list(box, src=0)  # rank 0's host: named even when its store is gone
-        self.master_host = box[0]
-        self._stop = threading.Event()
-        self._store = None
-        if env.rank % env.local_world_size == 0:
-            self._store = self._connect()
-            self._store.set(self.host_key(self.node), socket.gethostname())
-            self._store.add(f"{self.PREFIX}beat/{self.node}", 1)
-            threading.Thread(target=self._beat, name="vitforge-peer-watch", daemon=True).start()
-
-    @classmethod
-    def host_key(cls, node: int) -> str:
-        """The store key under which node `node`'s first rank registers its host name."""
-        return f"{cls.PREFIX}host/{node}"
-
-    def _connect(self) -> dist.TCPStore:
-        return connect_to_rendezvous(self.env, max(2 * self.interval, 2.0))
-
-    def _beat(self) -> None:
-        key = f"{self.PREFIX}beat/{self.node}"
-        while not self._stop.wait(self.interval):
-            try:
-                self._store.add(key, 1)
-            except Exception as e:  # rank 0 unreachable: a failed collective will say so
-                log.debug("peer watch: %s", e)
-
-    def _counters(self, store: dist.TCPStore) -> list[int]:
-        return [store.add(f"{self.PREFIX}beat/{n}", 0) for n in range(self.nodes)]
-
-    def lost(self) -> list[str]:
-        """The lost nodes, each as "node N (host H)"; [] when every other node is alive or left on
-        purpose. Takes about two beat intervals."""
-        try:
-            store = self._connect()
-            before = self._counters(store)
-            time.sleep(2 * self.interval + 0.5)
-            after = self._counters(store)
-            stopped = [n for n in range(self.nodes) if n != self.node and before[n] == after[n]
-                       and not store.check([f"{self.PREFIX}left/{n}"])]
-            hosts = {n: store.get(self.host_key(n)).decode()
-                     if store.check([self.host_key(n)]) else "unregistered" for n in stopped}
-            return [f"node {n} (host {hosts[n]})" for n in stopped]
-        except Exception as e:  # the store lives in rank 0: its node is the one gone
-            log.debug("peer watch: store unreachable: %s", e)
-            if self.node == 0:
-                return []
-            return [f"node 0 (host {self.master_host}, {self.env.master_addr}:{self.env.master_port}, which holds "
-                    "rank 0 and the rendezvous store)"]
-
-    def close(self) -> None:
-        """This rank leaves: its node's first rank marks the node as gone on purpose."""
-        self._stop.set()
-        if self._store is not None:
-            try:
-                self._store.set(f"{self.PREFIX}left/{self.node}", "1")
-            except Exception as e:  # the store is gone too: nobody is left to ask
-                log.debug("peer watch: %s", e)
 
 
 def together(error: E) -> E:

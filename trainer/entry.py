@@ -13,12 +13,13 @@ from vitforge.core import VitforgeError, die_with_parent
 
 from .build import build_data_loader, build_trainer, check_labelled, probe_loaders
 from .config import Config, ConfigError
-from .distributed import PeerWatch, all_ok, detect_env, init_distributed, raised_together, shutdown
+from .distributed import all_ok, detect_env, init_distributed, raised_together, shutdown
 from .engine import set_tf32
 from .export import consolidate_on_rank0, load_broadcast
 from .model import build_model, check_model_config
 from .objective import get_objective
 from .objectives import saved_objective
+from .peers import PeerWatch
 from .preemption import StopRequest
 from .probe_eval import build_probes, run_probes
 from .train import PeerLost, Requeue, evaluate
@@ -40,7 +41,7 @@ def run(cfg: Config) -> dict:
     ok = False
     try:
         try:
-            device = init_distributed(env, cfg.train.collective_timeout_s)
+            device = init_distributed(env, cfg.train.collective_timeout_s, cfg.train.rendezvous_timeout_s)
             peers = PeerWatch(env, cfg.train.collective_timeout_s)
             set_tf32(device, cfg.train.tf32)
             trainer, checkpointer, feed = build_trainer(cfg, env, device, stop)
@@ -63,13 +64,14 @@ def run(cfg: Config) -> dict:
         # a failed collective raises a RuntimeError; with every peer alive it stays an error
         collective = isinstance(e, RuntimeError) and not isinstance(e, VitforgeError) and not ok
         lost = peers.lost() if peers is not None and collective else []
-        if lost:
-            # gloo prefixes its source location: "[.../unbound_buffer.cc:78] Timed out waiting 8000ms ..."
-            first = re.sub(r"^\[[^\]]*\] ", "", (str(e).strip() or type(e).__name__).splitlines()[0])
-            raise PeerLost(f"lost contact with {', '.join(lost)} during a collective: {first}; no checkpoint "
-                           "written since the newest complete one: run again (a SLURM job requeues) to resume "
-                           "from it") from e
-        raise
+        if lost == []:
+            raise
+        # gloo prefixes its source location: "[.../unbound_buffer.cc:78] Timed out waiting 8000ms ..."
+        first = re.sub(r"^\[[^\]]*\] ", "", (str(e).strip() or type(e).__name__).splitlines()[0])
+        whom = f"lost contact with {', '.join(lost)}" if lost else \
+            "lost contact with a peer (rank 0's rendezvous store did not answer in time to tell which)"
+        raise PeerLost(f"{whom} during a collective: {first}; no checkpoint written since the newest complete one: "
+                       "run again (a SLURM job requeues) to resume from it") from e
     finally:
         if watchdog is not None:
             watchdog.stop()
@@ -105,7 +107,7 @@ def run_eval(cfg: Config, checkpoint_url: str, model_overrides: set[str]) -> dic
         raise ConfigError("data.val and eval.probes are not set: nothing to evaluate on "
                           "(--set data.val=..., or eval.probes with --fewshot)")
     env = detect_env()
-    device = init_distributed(env, cfg.train.collective_timeout_s)
+    device = init_distributed(env, cfg.train.collective_timeout_s, cfg.train.rendezvous_timeout_s)
     set_tf32(device, cfg.train.tf32)
     ok = False
     try:

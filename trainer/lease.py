@@ -11,10 +11,12 @@ import os
 import socket
 import threading
 import time
+import uuid
 
 from vitforge.core import PreconditionFailed, StorageError, process_alive, scheduler_env
 
-from .run_store import LEASE, RunStore
+from .run_store import LEASE, RunStore, published_tags, step_of
+from .run_store import parse_record as _parse
 
 log = logging.getLogger("vitforge.checkpoint")  # the checkpointer's log: the lease is its part
 
@@ -51,14 +53,24 @@ class Lease:
     write that landed but whose reply was lost (the client retries it and is refused) is recognised
     as this job's own and kept, not mistaken for a lost run.
 
-    Cost: rank 0 only; one object of about 250 bytes, one PUT per beat (720 an hour at most); a job
-    that must judge a holder does one GET per min(lease/8, 1 s) for at most one lease period."""
+    The record also carries the run's id (made by its first holder, kept by every later one), the
+    holder's epoch (one more than the previous holder's) and the published checkpoints: a checkpoint
+    is complete only once `publish` listed its tag, in a write conditional on the version this job
+    wrote last (its fencing token). A stale copy's manifest that lands after a takeover is thus never
+    part of the run: its publish is refused by the store (412), whatever its retries carried.
+
+    Cost: rank 0 only; one object of about 250 bytes plus 16 per retained checkpoint (retention
+    bounds the list), one PUT per beat (720 an hour at most); a job that must judge a holder does one
+    GET per min(lease/8, 1 s) for at most one lease period."""
 
     def __init__(self, run: RunStore, minutes: float, me: dict | None = None):
         self.run, self.seconds = run, minutes * 60
         self.beat_s, self.poll_s = min(self.seconds / 4, BEAT_MAX_S), min(self.seconds / 8, 1.0)
         self.me = me or job_identity()
-        self.version: str | None = None
+        self.version: str | None = None  # of the record this job wrote last: its fencing token
+        self.run_id: str | None = None  # made by the run's first holder, kept by every later one
+        self.epoch = 0  # one more than the previous holder's
+        self.checkpoints: list[str] | None = None  # the published tags; None: a lease from before the list
         self.beats = 0
         self.lost = False
         self._watching: tuple[str, float] | None = None  # (version, monotonic start) of a watch under way
@@ -94,6 +106,10 @@ class Lease:
                             continue  # released or removed while watched: judge it again
                         note = (f"took over {self.run.url} from job {_who(holder)}: its lease did not change "
                                 f"for {self._period(holder):.0f} s")
+                before = _parse(current[0]) if current else {}
+                self.run_id = before.get("run_id") or uuid.uuid4().hex
+                self.epoch = _int(before.get("epoch")) + 1
+                self.checkpoints = published_tags(before)
                 try:
                     self.version = self._write(current[1] if current else None, HELD)
                 except PreconditionFailed:
@@ -168,6 +184,20 @@ class Lease:
                 raise StorageError(f"{self.run.url}: this job lost ownership of the run to {holder}; "
                                    "stopping without touching its checkpoints") from None
 
+    def publish(self, tag: str) -> None:
+        """The commit point of checkpoint `tag`: its name joins the published list in a write
+        conditional on the version this job wrote last, so a copy that lost the run (a partitioned
+        host's, whose manifest landed after the takeover) is refused by the store itself and its
+        checkpoint never counts as complete (RunStore.complete_tags)."""
+        with self.lock:
+            self.checkpoints = sorted({*(self.checkpoints or []), tag}, key=step_of)
+        self.refresh()
+
+    def forget(self, tags: list[str]) -> None:
+        """Deleted (or about to be saved again) checkpoints leave the list with the next write."""
+        with self.lock:
+            self.checkpoints = [t for t in self.checkpoints or [] if t not in tags]
+
     def start_heartbeat(self) -> None:
         def beat():
             while not self._stop.wait(self.beat_s):
@@ -197,7 +227,8 @@ class Lease:
 
     def _write(self, version: str | None, state: str) -> str:
         self.beats += 1  # every write differs, so the version (ETag, sha256) changes with every beat
-        record = {**self.me, "state": state, "beat": self.beats, "lease_s": self.seconds,
+        record = {**self.me, "state": state, "beat": self.beats, "lease_s": self.seconds, "run_id": self.run_id,
+                  "epoch": self.epoch, **({} if self.checkpoints is None else {"checkpoints": self.checkpoints}),
                   "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ (this host's clock, for humans)", time.gmtime())}
         try:
             return self.run.store.put_if(LEASE, json.dumps(record, sort_keys=True).encode(), version)
@@ -226,11 +257,3 @@ def _number(value, kind: type) -> int | float:
         return kind(value)
     except (TypeError, ValueError):
         return 0
-
-
-def _parse(data: bytes) -> dict:
-    try:
-        value = json.loads(data)
-        return value if isinstance(value, dict) else {}
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return {}

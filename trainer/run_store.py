@@ -12,7 +12,9 @@ Layout of DIR/RUN (a local folder, file:// or s3://):
     latest                            the newest complete tag, written after its manifest
     lease.json                        which job (and SLURM restart) owns the run: rank 0 rewrites it every
                                       few seconds; another job judges it dead only when its version stays
-                                      unchanged for a lease period on that job's own monotonic clock
+                                      unchanged for a lease period on that job's own monotonic clock. It
+                                      also holds the run's id and the published tags: a checkpoint is
+                                      complete once its manifest exists AND its tag is listed there
     metrics.jsonl                     the run's metrics up to the newest checkpoint
 """
 
@@ -54,6 +56,21 @@ def step_of(tag: str) -> int:
     return int(match.group(1))
 
 
+def parse_record(data: bytes) -> dict:
+    """A lease record (lease.py) as a dict; {} when it is not one."""
+    try:
+        value = json.loads(data)
+        return value if isinstance(value, dict) else {}
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return {}
+
+
+def published_tags(record: dict) -> list[str] | None:
+    """The checkpoints a lease record lists as published; None for a record from before the list."""
+    tags = record.get("checkpoints")
+    return [t for t in tags if isinstance(t, str) and TAG.match(t)] if isinstance(tags, list) else None
+
+
 def split_checkpoint_url(url: str) -> tuple[str, str | None]:
     """'DIR/RUN/step_00000012' -> ('DIR/RUN', 'step_00000012'); 'DIR/RUN' -> ('DIR/RUN', None)."""
     head, _, last = url.rstrip("/").rpartition("/")
@@ -83,24 +100,60 @@ class RunStore:
         return dict(sorted(folders.items(), key=lambda kv: step_of(kv[0])))
 
     def complete_tags(self) -> list[str]:
-        """Tags with a manifest, oldest first. A step folder without one does not exist."""
-        return [tag for tag, files in self.step_folders().items() if MANIFEST in files]
+        """Tags with a manifest that the lease lists as published, oldest first (a run whose lease
+        predates the list: every tag with a manifest). A step folder without both does not exist."""
+        published = self.published()
+        return [tag for tag, files in self.step_folders().items()
+                if MANIFEST in files and (published is None or tag in published)]
+
+    def lease_record(self) -> dict:
+        try:
+            return parse_record(self.store.get_bytes(LEASE))
+        except FileNotFoundError:
+            return {}
+
+    def published(self) -> list[str] | None:
+        """The tags the run's holders published (Lease.publish); None when the lease does not say."""
+        return published_tags(self.lease_record())
 
     def latest(self) -> str | None:
+        """The tag `latest` points at, or None: a pointer only (resume lists the checkpoints
+        themselves), so one that is not a tag is warned about and ignored, never an error."""
         try:
-            return self.store.get_bytes(LATEST).decode().strip() or None
+            pointer = self.store.get_bytes(LATEST)
         except FileNotFoundError:
             return None
+        tag = pointer.decode(errors="replace").strip()
+        if not TAG.match(tag):
+            log.warning("%s: not a checkpoint tag (%d bytes): ignored", self.object_url(LATEST), len(pointer))
+            return None
+        return tag
 
     def manifest(self, tag: str) -> dict:
+        """The manifest of `tag`. A CheckpointError when it is missing or unreadable, says another
+        step than its folder's, was never published by the run's holder, or names another run."""
         try:
             manifest = json.loads(self.store.get_bytes(f"{tag}/{MANIFEST}"))
         except FileNotFoundError:
             raise CheckpointError(f"{self.object_url(tag)}: no {MANIFEST}: the checkpoint is incomplete") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{self.object_url(f'{tag}/{MANIFEST}')}: not valid JSON ({e})") from None
+        url = self.object_url(f"{tag}/{MANIFEST}")
         if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict) or "step" not in manifest:
-            raise CheckpointError(f"{self.object_url(f'{tag}/{MANIFEST}')}: not a vitforge checkpoint manifest")
+            raise CheckpointError(f"{url}: not a vitforge checkpoint manifest")
+        if manifest["step"] != step_of(tag):
+            raise CheckpointError(f"{url}: says step {manifest['step']!r}, but its folder is {tag}: not this "
+                                  "folder's checkpoint (copied or edited)")
+        record = self.lease_record()
+        published = published_tags(record)
+        if published is not None and tag not in published:
+            raise CheckpointError(f"{self.object_url(tag)}: never published by the run's holder (its manifest was "
+                                  "written by a copy that no longer held the run, or its commit was cut off): not "
+                                  "part of the run")
+        theirs, mine = manifest.get("run_id"), record.get("run_id")
+        if theirs and mine and theirs != mine:
+            raise CheckpointError(f"{url}: belongs to run {theirs} (checkpoint.run {_run_name(manifest)}), not to "
+                                  f"this run, {mine} (its lease {self.object_url(LEASE)}): copied from another run")
         return manifest
 
     def results(self) -> dict:
@@ -323,6 +376,12 @@ class RunStore:
         incomplete = [tag for tag, files in self.step_folders().items() if MANIFEST not in files]
         self.delete_tags(incomplete)
         return incomplete, self.store.abort_uploads("")
+
+
+def _run_name(manifest: dict) -> str:
+    config = manifest.get("config")
+    checkpoint = config.get("checkpoint") if isinstance(config, dict) else None
+    return repr(checkpoint.get("run")) if isinstance(checkpoint, dict) else "unknown"
 
 
 def _remove(path: str) -> None:

@@ -71,7 +71,7 @@ import torch.distributed as dist
 from vitforge.core import SchedulerEnv, record_exit_code
 from vitforge.core.errors import HUNG
 
-from .distributed import PeerWatch, connect_to_rendezvous
+from .peers import PeerWatch, connect_to_rendezvous
 from .run_store import RunStore
 
 log = logging.getLogger("vitforge.watchdog")

@@ -30,6 +30,7 @@ commands:
   study          the paper's data-scale study: one run per (model, subset), then collect a table and plot
   plan           capacity planner: throughput, time, GPU-hours, decode cores, store traffic, checkpoint interval
   demo           generate a small learnable corpus, shard it, train on it, evaluate
+  build-ops      build DeepSpeed's CPU op into the installation once (else the first train does, ~35 s)
 
 exit codes: 0 ok, 1 a verification found problems, 2 bad usage/config/input, 3 storage unreachable
 or denied (or the run is owned by another job), 4 checkpoint missing/corrupt/incompatible,
@@ -79,6 +80,10 @@ def _dispatch(command: str, rest: list[str]) -> int:
         from vitforge.cluster.cli import main as plan_main
 
         return plan_main(rest)
+    if command == "build-ops":
+        from vitforge.trainer.ops import main as build_ops_main
+
+        return build_ops_main(rest)
     if command == "demo":
         from .demo import main as demo_main
 

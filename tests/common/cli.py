@@ -136,14 +136,16 @@ def _read(file) -> str:
 
 
 def start_ranks(data, run: str, *overrides: str, nproc: int = 2, store: str | None = None, env: dict | None = None,
-                outputs: list | None = None, one_node: bool = False) -> list:
+                outputs: list | None = None, one_node: bool = False, only: list[int] | None = None,
+                port: int | None = None) -> list:
     """The ranks as srun starts them: one plain process each, RANK/WORLD_SIZE/MASTER_* set, so a
     test can signal one rank and read each rank's own exit code. Without LOCAL_WORLD_SIZE each rank
     counts as a node of its own; `one_node` sets it, as torchrun does, to make them one node.
-    `outputs`: (stdout, stderr) files for each rank; pipes without."""
-    port = free_port()
+    `outputs`: (stdout, stderr) files for each rank; pipes without. `only`: start just these ranks
+    (the others later, with the same `port`)."""
+    port = port or free_port()
     processes = []
-    for rank in range(nproc):
+    for rank in (range(nproc) if only is None else only):
         rank_env = {**os.environ, **EXTENSIONS, **(env or {}), "RANK": str(rank), "WORLD_SIZE": str(nproc),
                     "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                     **({"LOCAL_WORLD_SIZE": str(nproc)} if one_node else {})}

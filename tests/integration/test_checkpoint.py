@@ -131,6 +131,38 @@ def test_corrupt_or_incomplete_checkpoints_are_refused_before_loading(data, stra
 
 
 @pytest.mark.slow
+def test_only_this_runs_own_consistent_checkpoints_are_resumed(data, straight):
+    """A manifest whose step was edited, a checkpoint copied in from another run (its id differs),
+    a setting a run keeps from its start changed: each is passed over with a warning, or refused
+    naming both sides when asked for by name or when it would change the experiment. A setting
+    that may change (the schedule's length) is allowed, logged and recorded in later manifests."""
+    run = Path(shutil.copytree(straight, data / "runs" / "identity"))
+    edited = json.loads((run / "step_00000024" / "manifest.json").read_text())
+    (run / "step_00000024" / "manifest.json").write_text(json.dumps({**edited, "step": 999}))
+    foreign = json.loads((run / "step_00000018" / "manifest.json").read_text())
+    mine = foreign["run_id"]
+    (run / "step_00000018" / "manifest.json").write_text(json.dumps({**foreign, "run_id": "0ther"}))
+    check = vitforge("ckpt", "verify", run, check=False)
+    assert check.returncode == errors.CHECK_FAILED
+    assert "step_00000024/manifest.json: says step 999, but its folder is step_00000024" in check.stdout
+    assert f"belongs to run 0ther (checkpoint.run 'straight'), not to this run, {mine}" in check.stdout
+    assert "step_00000012: OK" in check.stdout
+    named = train(data, "identity", *STRAIGHT, "checkpoint.resume=18", check=False)
+    assert named.returncode == errors.CHECKPOINT and "belongs to run 0ther" in named.stderr, named.stderr[-3000:]
+    batch = edited["config"]["train"]["global_batch"]
+    changed = train(data, "identity", *STRAIGHT, f"train.global_batch={2 * batch}", check=False)
+    assert changed.returncode == errors.USAGE, changed.stderr[-3000:]
+    assert f"train.global_batch: {batch} in the checkpoint, {2 * batch} now" in changed.stderr
+    assert "falling back to step_00000018" in changed.stderr and "falling back to step_00000012" in changed.stderr
+    longer = train(data, "identity", *[o for o in STRAIGHT if not o.startswith("train.steps=")], "train.steps=30")
+    assert "at step 12" in longer.stderr and "Traceback" not in longer.stderr
+    assert "with changed settings: train.steps 24 -> 30" in longer.stderr
+    saved = json.loads((run / "step_00000030" / "manifest.json").read_text())
+    assert saved["changed_on_resume"] == [{"step": 12, "settings": {"train.steps": [24, 30]}}]
+    assert saved["run_id"] == mine and saved["step"] == 30
+
+
+@pytest.mark.slow
 def test_sigusr1_to_one_rank_saves_and_exits_for_requeue(data, straight, tmp_path):
     ranks = start_ranks(data, "usr1", *STRAIGHT)
     deadline = time.monotonic() + 120

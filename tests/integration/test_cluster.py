@@ -190,16 +190,19 @@ def test_a_run_longer_than_its_time_limit_completes_across_requeues(data, slurm,
 def test_the_requeue_limit_is_honoured(data, slurm, monkeypatch, tmp_path):
     for key, value in slurm.items():
         monkeypatch.setenv(key, value)
-    job = _submit(data, tmp_path, "slurm_limit", "--set", "max_requeues=0", steps=100000)
+    logs = tmp_path / "job logs"  # status and logs read a log folder with a space whole
+    job = _submit(data, logs, "slurm_limit", "--set", "max_requeues=0", steps=100000)
     lease = data / "runs" / "slurm_limit" / "lease.json"
     deadline = time.monotonic() + 300
     while not lease.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     vitforge("cancel", job, "--signal", "USR1")
     final = _wait(job)
-    log = (tmp_path / f"slurm_limit-{job}.out").read_text()
+    log = (logs / f"slurm_limit-{job}.out").read_text()
     assert final["state"] == "FAILED" and final["restarts"] == 0, final
     assert "requeue limit 0 reached" in log and f"job {job} ended" in log and "exit code 75" in log
+    assert final["text"].rstrip().endswith(f"log {logs}/slurm_limit-{job}.out"), final
+    assert vitforge("logs", job).stdout == log
 
 
 def test_impossible_requests_are_refused_before_submitting(slurm, monkeypatch, tmp_path):

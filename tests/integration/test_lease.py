@@ -19,7 +19,7 @@ PERIOD = 2.0  # the lease period of every process here, in seconds
 SKEW = {"-15m": -900.0, "+15m": 900.0}
 
 # One process holding or taking the lease, driven by commands on stdin (acquire, try_acquire SECONDS,
-# refresh, release), one JSON answer per command (vitforge.trainer imports no torch: the child starts in a second).
+# refresh, publish TAG, release), one JSON answer per command (vitforge.trainer imports no torch: the child starts in a second).
 # libfaketime 0.9.10 breaks Python 3.11's time.sleep under FAKETIME_DONT_FAKE_MONOTONIC (EINVAL from
 # clock_nanosleep on an absolute monotonic deadline, libfaketime issue 426): the child sleeps on a
 # condition variable instead, which waits on the true monotonic clock just the same.
@@ -35,7 +35,7 @@ print(json.dumps({"time": time.time(), "pid": os.getpid(), "job": lease.me["job"
 for line in sys.stdin:
     (command, *args), start = line.split(), time.monotonic()
     try:
-        answer = {"ok": getattr(lease, command)(*map(float, args))}
+        answer = {"ok": getattr(lease, command)(*(a if a.startswith("step_") else float(a) for a in args))}
         if command == "acquire" or command == "try_acquire" and answer["ok"][0]:
             lease.start_heartbeat()
     except Exception as e:
@@ -169,6 +169,36 @@ def test_a_requeued_incarnation_takes_over_at_once_and_its_stale_self_is_fenced(
     assert (record(run_url)["host"], record(run_url)["state"]) == ("node-c", "held")
 
 
+@pytest.mark.parametrize("run_url", ["local", "s3"], indirect=True)
+def test_a_stale_holders_publish_is_refused_and_its_checkpoint_never_counts(run_url, children):
+    """The window a partitioned holder leaves: it passed its ownership check, its link dropped, the
+    run was taken over, and then its manifest landed. Its publish, a write conditional on the lease
+    version it holds, is refused; the checkpoint is not part of the run for any reader."""
+    from vitforge.core import CheckpointError
+    from vitforge.trainer.run_store import RunStore
+
+    old = children(run_url, "node-a", env={"SLURM_JOB_ID": "4343", "SLURM_RESTART_COUNT": "0"})
+    new = children(run_url, "node-b", env={"SLURM_JOB_ID": "4343", "SLURM_RESTART_COUNT": "1"})
+    run = RunStore(run_url)
+    assert "ok" in old.ask("acquire")
+    first = record(run_url)
+    run.put_bytes("step_00000010/manifest.json", json.dumps({"step": 10, "files": {}, "run_id": first["run_id"]}).encode())
+    assert "ok" in old.ask("publish step_00000010")
+    assert "ok" in new.ask("acquire")
+    taken = record(run_url)
+    assert (taken["run_id"], taken["epoch"], taken["checkpoints"]) == (first["run_id"], first["epoch"] + 1,
+                                                                      ["step_00000010"])
+    run.put_bytes("step_00000020/manifest.json", json.dumps({"step": 20, "files": {}, "run_id": first["run_id"]}).encode())
+    stale = old.ask("publish step_00000020")
+    assert "this job lost ownership of the run to slurm:4343 (restart 1) on node-b" in stale["error"], stale
+    assert record(run_url)["checkpoints"] == ["step_00000010"]
+    assert run.complete_tags() == ["step_00000010"]
+    with pytest.raises(CheckpointError, match="step_00000020: never published by the run's holder"):
+        run.manifest("step_00000020")
+    assert "ok" in new.ask("publish step_00000030")  # the holder's own publish goes through
+    assert record(run_url)["checkpoints"] == ["step_00000010", "step_00000030"]
+
+
 def test_a_lease_write_whose_reply_was_lost_is_kept_not_taken_for_a_lost_run(tmp_path):
     from vitforge.core import StorageError
     from vitforge.trainer.lease import HELD, Lease
@@ -179,7 +209,8 @@ def test_a_lease_write_whose_reply_was_lost_is_kept_not_taken_for_a_lost_run(tmp
     lease.acquire()
     # The next beat lands but its reply is lost: the store holds it, the lease still has the old version
     # (what a client's retry of a landed conditional PUT then sees: 412).
-    landed = {**lease.me, "state": HELD, "beat": lease.beats + 1, "lease_s": lease.seconds, "written_at": "then"}
+    landed = {**lease.me, "state": HELD, "beat": lease.beats + 1, "lease_s": lease.seconds, "run_id": lease.run_id,
+              "epoch": lease.epoch, "written_at": "then"}
     lease.run.store.put_bytes(LEASE, json.dumps(landed).encode())
     lease.refresh()
     assert lease.version == lease.run.store.get_versioned(LEASE)[1] and not lease.lost

@@ -190,14 +190,107 @@ def test_a_lost_peer_ends_the_survivor_for_requeue_naming_its_host(data, how):
 
 
 @pytest.mark.slow
-def test_a_peer_that_never_comes_fails_the_rendezvous_in_the_collective_timeout():
+def test_a_peer_that_never_comes_fails_the_rendezvous_in_the_rendezvous_timeout():
     started = time.monotonic()
     result = vitforge("train", "tiny_cpu", "--set", "data.train=synthetic", "--set", "model.num_classes=10",
-                      "--set", "train.collective_timeout_s=3", env={"RANK": "0", "WORLD_SIZE": "2",
+                      "--set", "train.rendezvous_timeout_s=3", env={"RANK": "0", "WORLD_SIZE": "2",
                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}, check=False, timeout=120)
     elapsed = time.monotonic() - started
     print(f"\nabsent peer: rank 0 exited {result.returncode} after {elapsed:.1f} s (process start included)")
     assert result.returncode not in (0, errors.REQUEUE), result.stderr[-3000:]
     assert "1/2 clients joined" in result.stderr, result.stderr[-3000:]
     waited = re.search(r"Timed out after (\d+) seconds waiting for clients", result.stderr)
-    assert waited and int(waited.group(1)) <= 5, result.stderr[-3000:]  # the 3 s asked for, not the default 600 s
+    assert waited and int(waited.group(1)) <= 5, result.stderr[-3000:]  # the 3 s asked for, not the default 900 s
+
+
+@pytest.mark.slow
+def test_a_peer_slower_to_start_than_the_collective_timeout_still_joins(data):
+    """Rank 1 starts when rank 0 has waited at the rendezvous for longer than the (short) collective
+    timeout: the run trains to the end. (The lost-peer tests above show that the collectives after
+    the rendezvous still give up within collective_timeout_s.)"""
+    port = free_port()
+    args = ("train.steps=2", "train.checkpoint_every=null", "data.val=null", "train.collective_timeout_s=3")
+    first = start_ranks(data, "late_peer", *args, only=[0], port=port)
+    late = time.monotonic() + 15  # rank 0's start-up (about 5 s here) and then more than 3 s at the rendezvous
+    while time.monotonic() < late and first[0].poll() is None:
+        time.sleep(0.2)
+    ranks = first + start_ranks(data, "late_peer", *args, only=[1], port=port)
+    outputs = [r.communicate(timeout=240)[1] for r in ranks]
+    assert [r.returncode for r in ranks] == [0, 0], [o[-3000:] for o in outputs]
+
+
+# One process plays four ranks on two nodes (2 ranks each) against a real rendezvous store served by
+# another process, which the test can freeze or kill. PeerWatch's one collective (rank 0's host name)
+# runs in a world of one: every rank's broadcast returns this process's host.
+PEERS = """
+import json, sys, threading
+import torch.distributed as dist
+from vitforge.core import SchedulerEnv
+from vitforge.trainer.peers import PeerWatch
+port, case = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+def env(rank):
+    return SchedulerEnv("slurm", rank, 4, rank % 2, "127.0.0.1", port, local_world_size=2, job="slurm:7")
+watches = {rank: PeerWatch(env(rank), 4.0) for rank in (0, 1, 2)}  # node 1's second rank never came
+print("ready", flush=True)
+sys.stdin.readline()  # the test froze or killed the store, or not
+if case == "node1-lost":
+    watches[2]._stop.set()  # node 1 stops beating, as a host cut off does, without leaving on purpose
+verdicts = {}
+def ask(rank):
+    verdicts[rank] = watches[rank].lost()
+threads = [threading.Thread(target=ask, args=(r,)) for r in (0, 1)] if case == "node1-lost" else \\
+    [threading.Thread(target=ask, args=(2,))]
+for t in threads: t.start()
+for t in threads: t.join()
+print(json.dumps(verdicts), flush=True)
+"""
+
+STORE = """
+import sys, time
+from datetime import timedelta
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+print("serving", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("case", ["node1-lost", "store-frozen", "store-gone"])
+def test_a_nodes_first_rank_judges_for_its_node_and_a_silent_store_names_nobody(case):
+    """Node 0's first rank reads the counters and its second rank takes the verdict from it (one reader
+    per node); a store that stops answering names nobody; a store whose port refuses names node 0."""
+    import json
+    import os
+    import sys
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-c", STORE, str(port)], stdout=subprocess.PIPE, text=True)
+    ranks = subprocess.Popen([sys.executable, "-c", PEERS, str(port), case], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().strip() == "serving"
+        assert ranks.stdout.readline().strip() == "ready", ranks.stderr.read()[-3000:]
+        if case == "store-frozen":
+            os.kill(server.pid, signal.SIGSTOP)
+        elif case == "store-gone":
+            server.kill()
+            server.wait()
+        ranks.stdin.write("go\n")
+        ranks.stdin.flush()
+        out, err = ranks.communicate(timeout=120)
+    finally:
+        for process in (server, ranks):
+            if process.poll() is None:
+                os.kill(process.pid, signal.SIGCONT)
+                process.kill()
+                process.wait()
+    verdicts = json.loads(out.strip().splitlines()[-1])
+    if case == "node1-lost":
+        assert verdicts == {"0": [f"node 1 (host {HOST})"], "1": [f"node 1 (host {HOST})"]}, err[-3000:]
+    elif case == "store-frozen":
+        assert verdicts == {"2": None}, err[-3000:]
+        assert "did not answer in time" in err and "cannot tell which node was lost" in err
+    else:
+        assert verdicts == {"2": [f"node 0 (host {HOST}, 127.0.0.1:{port}, which holds rank 0 and the rendezvous "
+                                  "store)"]}, err[-3000:]

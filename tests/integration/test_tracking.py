@@ -152,7 +152,7 @@ def test_a_dead_tracking_server_costs_one_warning_and_no_row(data, mlflow_server
     folder, log_path = data / "runs" / run, tmp_path / "train.log"
     # The feed's own client bounds (2 retries): urllib3's warning per retry must not show either.
     env = _env(mlflow_server, experiment, MLFLOW_TRACKING_TOKEN=secret, WANDB_API_KEY=secret,
-               MLFLOW_TRACKING_URI=f"http://vitforge:{secret}@127.0.0.1:{mlflow_server.port}")
+               MLFLOW_TRACKING_USERNAME="vitforge", MLFLOW_TRACKING_PASSWORD=secret)
     with open(log_path, "w") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "vitforge", "train", *train_args(data, run, "train.steps=400", "train.log_every=1",

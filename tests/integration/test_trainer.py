@@ -295,3 +295,30 @@ def test_the_pre_training_head_is_dropped_for_a_zero_initialised_classifier():
     again = build_model("vit_tiny_cpu", 10, 32, pre_logits=True)
     kept, changed = adapt_state_dict(pretrained.state_dict(), again)
     assert changed == [] and all(torch.equal(kept[k], v) for k, v in pretrained.state_dict().items())
+
+
+@pytest.mark.slow
+def test_a_start_from_a_plain_shell_reuses_the_installations_op_build(data, tmp_path):
+    """No venv on PATH (Debian's ninja first, where it is installed), no TORCH_EXTENSIONS_DIR, a
+    fresh home: `vitforge build-ops` and a train find the op `make test` built, and rebuild nothing."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from vitforge.core import free_port
+
+    cache = Path(sys.prefix) / "torch_extensions" / "deepspeed_shm_comm"
+    built = {p.name: p.stat().st_mtime_ns for p in cache.iterdir()}
+    plain = {k: v for k, v in os.environ.items() if k not in ("TORCH_EXTENSIONS_DIR", "VIRTUAL_ENV")}
+    plain.update(PATH="/usr/bin:/bin", HOME=str(tmp_path / "home"), OMP_NUM_THREADS="1")
+    ops = subprocess.run([sys.executable, "-m", "vitforge", "build-ops"], env=plain, capture_output=True, text=True,
+                         timeout=300)
+    assert ops.returncode == 0 and f"built in {Path(sys.prefix) / 'torch_extensions'}" in ops.stdout, ops.stderr
+    one = {**plain, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    result = subprocess.run([sys.executable, "-m", "vitforge", "train", *train_args(data, "plain_shell", "train.steps=1",
+                                                                                     "data.val=null")],
+                            env=one, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert {p.name: p.stat().st_mtime_ns for p in cache.iterdir()} == built  # nothing rebuilt
+    assert not (tmp_path / "home" / ".cache" / "torch_extensions").exists()

@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import threading
 import time
 from dataclasses import dataclass, field
+
+from vitforge.core import masked
 
 from ..run_store import LEASE, RunStore
 from .sink import Sink
@@ -285,7 +286,7 @@ def _safe(error: Exception) -> str:
     """An error's first line for the log, without credentials: URL user info and the values of
     the trackers' secret environment variables are masked."""
     text = (str(error).strip().splitlines() or [""])[0][:400]
-    text = re.sub(r"(\w+://)[^/\s@]*@", r"\1***@", text)
+    text = masked(text)
     for name in SECRETS:
         if os.environ.get(name):
             text = text.replace(os.environ[name], "***")

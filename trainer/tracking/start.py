@@ -7,9 +7,9 @@ import importlib.util
 import os
 import threading
 
-from vitforge.core import registry
+from vitforge.core import check_no_userinfo, registry
 
-from ..config import Config, ConfigError, TrackingConfig
+from ..config import MLFLOW_CREDENTIALS, Config, ConfigError, TrackingConfig
 from ..run_store import RunStore
 from .feed import TrackingFeed
 
@@ -37,6 +37,9 @@ def check_trackers(tracking: TrackingConfig, warm: bool = False) -> None:
     if tracking.mlflow is not None and not (tracking.mlflow.uri or os.environ.get("MLFLOW_TRACKING_URI")):
         raise ConfigError("tracking.mlflow is on but names no server: set tracking.mlflow.uri or "
                           "MLFLOW_TRACKING_URI (e.g. http://mlflow.example:5000)")
+    if tracking.mlflow is not None and not tracking.mlflow.uri:
+        # the client would take it as it is and send the password with every request
+        check_no_userinfo(os.environ["MLFLOW_TRACKING_URI"], "MLFLOW_TRACKING_URI", MLFLOW_CREDENTIALS, ConfigError)
     if warm and names:
         threading.Thread(target=_import, args=(names,), name="vitforge-tracking-import", daemon=True).start()
 
