@@ -225,7 +225,7 @@ class MLflowTracking(Strict):
     @classmethod
     def _no_credentials(cls, value):
         if value is not None:
-            check_no_userinfo(value, "tracking.mlflow.uri", MLFLOW_CREDENTIALS)
+            check_no_userinfo(value, "the URI", MLFLOW_CREDENTIALS)
         return value
 
 

@@ -55,7 +55,7 @@ def test_dot_segments_in_a_store_url_are_refused(url, small_corpus):
 def test_a_tracking_uri_with_a_password_is_refused_from_the_config_or_the_environment():
     common = ("train", "tiny_cpu", "--set", "data.train=synthetic", "--set", "model.num_classes=10")
     keyed = vitforge(*common, "--set", f"tracking.mlflow.uri=http://alice:{SECRET}@mlflow.example:5000", check=False)
-    assert "tracking.mlflow.uri holds credentials" in _one_line_refusal(keyed)
+    assert "tracking.mlflow.uri: the URI holds credentials" in _one_line_refusal(keyed)
     environment = vitforge(*common, "--set", "tracking.mlflow={}", check=False, timeout=120,
                            env={"MLFLOW_TRACKING_URI": f"http://alice:{SECRET}@127.0.0.1:9"})
     line = _one_line_refusal(environment)
@@ -98,7 +98,7 @@ def test_a_store_clients_value_error_is_not_retried():
     (f"not json {SECRET}", "which is not JSON"),
     (json.dumps({"client_secret": SECRET}), "a JSON file with no 'type'"),
     (json.dumps({"type": "service_account", "private_key": SECRET}), "which Google's client refused: "),
-])
+], ids=["missing", "not-json", "no-type", "malformed"])  # ids: SECRET differs in every xdist worker
 def test_a_broken_google_credentials_file_is_named_with_what_is_wrong(tmp_path, content, expected):
     path = tmp_path / "key.json"
     if content is not None:
