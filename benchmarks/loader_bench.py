@@ -33,6 +33,9 @@ there, as it does by default on a GPU; the throughput lines use the CPU-device d
 line).
 Goals: best CPU backend >= 2.0x the baseline per CPU-second (first bar 1.5x); the floor within
 1.4x of the best backend; data wait <= 5% when the loader outpaces the consumer.
+With --s3, the torch backend also reads the shards from an S3 server on loopback (s3_sides): a
+shard the node cache has no room for, streamed in coalesced ranged GETs, >= 0.5x the images/s of
+cached reads; one GET per sample printed beside it.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -54,6 +58,7 @@ RUNNER = r'''
 import json, os, sys, time
 kind, shards, batch, steps, workers, step_s = (sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]),
                                                int(sys.argv[5]), float(sys.argv[6]))
+cache = json.loads(sys.argv[7]) if len(sys.argv) > 7 else {}  # --s3: the node cache's settings
 
 
 def baseline():
@@ -68,11 +73,13 @@ def baseline():
 
 
 def ours():
-    from vitforge.pipeline import LoaderSpec, build_loader
+    from vitforge.pipeline import LoaderSpec, build_loader, stream
+    if "stream_ahead" in cache:  # 0: every streamed read one GET of its own, as before coalescing
+        stream.AHEAD_BYTES = cache.pop("stream_ahead")
     # With a consumer, its sleep stands in for a GPU step, so DALI overlaps as it does on a GPU node
     # (on a CPU device it decodes in line by default: the step would need the same cores).
     loader = build_loader(LoaderSpec(shards, batch_size=batch, image_size=224, backend=kind, workers=workers,
-                                     overlap=True if step_s else None))
+                                     overlap=True if step_s else None, **cache))
     while True:
         yield from loader
 
@@ -106,14 +113,63 @@ import gc; gc.collect()
 '''
 
 
-def run_side(kind: str, shards: Path, batch: int, steps: int, workers: int, step_s: float = 0.0) -> dict:
+def run_side(kind: str, shards: Path | str, batch: int, steps: int, workers: int, step_s: float = 0.0,
+             cache: dict | None = None, env: dict | None = None) -> dict:
     """One process: wall seconds, CPU seconds of its whole tree, and the consumer's wait fraction."""
     before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
     out = run_child([sys.executable, "-c", RUNNER, kind, str(shards), str(batch), str(steps), str(workers),
-                     str(step_s)], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+                     str(step_s), json.dumps(cache or {})], cwd=REPO,
+                    env={**os.environ, **(env or {}), "PYTHONPATH": str(REPO)})
     wall, after = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
     return {"wall": wall, "cpu": cpu, **json.loads(out.stdout.strip().splitlines()[-1])}
+
+
+def steady_rates(kind: str, shards: Path | str, args, **side) -> dict:
+    """images/s and images per CPU-second of a side between its short and its long run."""
+    short = run_side(kind, shards, args.batch, args.short, args.workers, **side)
+    long = run_side(kind, shards, args.batch, args.long, args.workers, **side)
+    images = (args.long - args.short) * args.batch
+    return {"images_per_s": images / (long["wall"] - short["wall"]),
+            "images_per_cpu_s": images / (long["cpu"] - short["cpu"])}
+
+
+def s3_sides(shards: Path, work: Path, args) -> None:
+    """--s3: the torch backend reading the shards from an S3 server on loopback (SeaweedFS),
+    through the node cache (each shard fetched whole in ranged GETs of 16 MiB, then read from
+    disk), streamed (a cache smaller than one shard: samples read ahead in coalesced ranged GETs),
+    and streamed one GET per sample (what streaming did before). Each run has an empty cache; the
+    server's CPU is outside every side's process tree alike."""
+    import uuid
+
+    from vitforge.testing import start_local_s3
+
+    for leftover in ("s3", "cache"):  # an earlier run's bucket and cached shards
+        shutil.rmtree(work / leftover, ignore_errors=True)
+    server = start_local_s3(str(work / "s3"))
+    try:
+        client, bucket = server.client(), "loader-bench"
+        client.create_bucket(Bucket=bucket)
+        for path in sorted(shards.iterdir()):
+            if path.is_file():
+                client.upload_file(str(path), bucket, f"shards/{path.name}")
+        url = f"s3://{bucket}/shards"
+        small = 1 / 1024  # GB: 1 MiB, below one shard
+
+        def cache(gb: float, **extra) -> dict:
+            return {"cache_gb": gb, "cache_dir": str(work / "cache" / uuid.uuid4().hex), **extra}
+
+        sides = {"cached": cache(32.0), "streamed": cache(small), "per-sample": cache(small, stream_ahead=0)}
+        rates = {}
+        for name, settings in sides.items():
+            rates[name] = steady_rates("torch", url, args, cache=settings, env=server.env)
+            print(f"s3 torch {name:<11} {rates[name]['images_per_s']:8.0f} images/s "
+                  f"{rates[name]['images_per_cpu_s']:8.0f} images per CPU-second")
+        cached = rates["cached"]["images_per_s"]
+        print(f"s3 streamed vs cached, images/s: {rates['streamed']['images_per_s'] / cached:.2f}x (goal >= 0.5x); "
+              f"one GET per sample: {rates['per-sample']['images_per_s'] / cached:.2f}x (for comparison)")
+    finally:
+        server.stop()
 
 
 def main() -> int:
@@ -124,6 +180,8 @@ def main() -> int:
     p.add_argument("--short", type=int, default=10, help="batches of the short run")
     p.add_argument("--long", type=int, default=90, help="batches of the long run")
     p.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument("--s3", action="store_true", help="also read the shards from an S3 server on loopback: "
+                   "cached, streamed in coalesced ranged GETs, and one GET per sample")
     args = p.parse_args()
     from benchmarks.shard_bench import make_corpus
 
@@ -133,7 +191,6 @@ def main() -> int:
     if not (shards / "dataset.json").exists():
         run_child([sys.executable, "-m", "vitforge", "shard", str(work / "corpus"), str(shards),
                    "--shard-bytes", "64MiB"], cwd=REPO)
-    steady = (args.long - args.short) * args.batch
     print(f"corpus: {args.images} JPEGs about 500x375 (106 KiB), batch {args.batch}, steady state = "
           f"{args.long} - {args.short} batches at 224 px, {args.workers} workers, {os.cpu_count()} CPUs; "
           "CPU = whole process tree")
@@ -141,10 +198,7 @@ def main() -> int:
              ("baseline", "baseline webdataset+Pillow+RRC"), ("floor", "decode-only floor (simplejpeg)")]
     rates = {}
     for kind, label in sides:
-        short = run_side(kind, shards, args.batch, args.short, args.workers)
-        long = run_side(kind, shards, args.batch, args.long, args.workers)
-        rates[kind] = {"images_per_s": steady / (long["wall"] - short["wall"]),
-                       "images_per_cpu_s": steady / (long["cpu"] - short["cpu"])}
+        rates[kind] = steady_rates(kind, shards, args)
         print(f"{label:<36} {rates[kind]['images_per_s']:8.0f} images/s {rates[kind]['images_per_cpu_s']:8.0f} "
               f"images per CPU-second")
     per_cpu = {k: v["images_per_cpu_s"] for k, v in rates.items()}
@@ -164,6 +218,8 @@ def main() -> int:
         goal = "for comparison" if kind == "baseline" else "goal <= 5%"
         print(f"consumer at {1000 * step_s:.0f} ms per batch (1.5x {label}'s own time): data wait "
               f"{100 * wait:.1f}% ({goal})")
+    if args.s3:
+        s3_sides(shards, work, args)
     return 0
 
 

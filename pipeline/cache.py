@@ -20,7 +20,8 @@ epoch leaves behind is reused by the next run while it fits. When no room can be
   the one it fetches (anything else would only be fetched twice);
 - a shard needed now (`open`) may remove any shard nobody holds open; if that is not enough it waits
   while fetches are in flight (they finish, and what they fetched may then be removed), and when none
-  is, reads this shard from the store instead (one ranged GET per read), with one warning. It never
+  is, reads this shard from the store instead (coalesced ranged GETs ahead of need: stream.py),
+  with one warning. It never
   waits for a reader to close a shard: ranks wait for each other in collectives, so that could
   deadlock. mosaicml-streaming (cache_limit) instead evicts the least-recently-used shard even if a
   worker is reading it (the worker downloads it again) and raises when nothing is left to evict.
@@ -40,8 +41,8 @@ within the same tick of the filesystem's clock as the check, and a change made w
 already has the file open. Tars without dataset.json have no sha256: only their size is checked.
 
 A full disk (or quota) fails a fetch cleanly: the partial file is removed, one warning names the
-folder and its free space, and that reader reads its uncached shards from the store instead, one
-ranged GET per sample (slower, but every sample arrives). What killed fetches left is removed
+folder and its free space, and that reader reads its uncached shards from the store instead
+(stream.py: slower, but every sample arrives). What killed fetches left is removed
 when the next reader starts.
 """
 
@@ -62,6 +63,7 @@ from typing import Callable
 from vitforge.core import LocalWriteError, StorageError, Store, local_write_error, open_store
 
 from .spec import LoaderSpec
+from .stream import StreamedShard
 
 log = logging.getLogger("vitforge.pipeline")
 PARTIAL = ".partial"
@@ -151,22 +153,6 @@ class ShardFile:
 
     def close(self) -> None:
         os.close(self.fd)
-
-
-@dataclass
-class StreamedShard:
-    """A shard the node's disk cannot hold, read from the store: one ranged GET per read."""
-    store: Store
-    key: str
-    counted: Callable[[int], None]
-
-    def pread(self, length: int, offset: int) -> bytes:
-        data = self.store.get_range(self.key, offset, offset + length)
-        self.counted(len(data))
-        return data
-
-    def close(self) -> None:
-        pass
 
 
 class ShardCache:
@@ -268,7 +254,7 @@ class ShardCache:
                     first, self._disk_full = not self._disk_full, True
                 if first:
                     log.warning("shard cache %s: cannot hold %s: %s; reading the shards it does not hold from "
-                                "the store instead (one GET per sample, slower)", self.spec.folder, url, e)
+                                "the store instead (ranged GETs of a few samples each, slower)", self.spec.folder, url, e)
                 return None
             finally:
                 with contextlib.suppress(FileNotFoundError):
@@ -339,8 +325,8 @@ class ShardCache:
             first, self._warned = not self._warned, True
         if first:
             log.warning("shard cache %s: no room for %s (%.2f GB) within its %.2f GB limit (data.cache_gb): the "
-                        "shards readers hold open fill it; reading it from the store instead (one GET per sample, "
-                        "slower). Raise data.cache_gb or lower data.shards_ahead.", self.spec.folder, url,
+                        "shards readers hold open fill it; reading it from the store instead (ranged GETs of a "
+                        "few samples each, slower). Raise data.cache_gb or lower data.shards_ahead.", self.spec.folder, url,
                         length / 1e9, self.spec.limit_bytes / 1e9)
 
     def _partial_size_or_discard(self, entry: os.DirEntry) -> int:

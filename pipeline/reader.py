@@ -86,6 +86,7 @@ class SampleReader:
         """`plan`: each batch's (shard, row) per sample. `cache` and `node_future`: for object-store
         shards (see raw_batches), else None."""
         self.index = index
+        self._plan = plan
         self._open: dict[int, ShardFile | StreamedShard] = {}
         shards_of = [np.unique(shards).tolist() for shards, _ in plan]
         last_use = {s: i for i, shards in enumerate(shards_of) for s in shards}
@@ -182,11 +183,21 @@ class SampleReader:
             url = index.shard_urls[shard]
             source = self._open[shard] = (self._cache.open(*self._identity(shard)) if self._cache is not None
                                           else ShardFile(os.open(url.removeprefix("file://"), os.O_RDONLY)))
+            if isinstance(source, StreamedShard):
+                source.expect(self._upcoming_reads(shard))
         data = source.pread(length, start)
         if len(data) != length:
             raise OSError(f"{index.shard_urls[shard]}: short read at byte {start} ({len(data)} of {length}): "
                           "shard truncated?")
         return data
+
+
+    def _upcoming_reads(self, shard: int) -> list[tuple[int, int]]:
+        """(offset, length) of every read of `shard` from the current batch on, in read order: what
+        a streamed shard requests ahead. O(the plan's samples) once per streamed shard."""
+        samples = self.index.samples(shard)
+        rows = [r for shards, rows in self._plan[self._batch:] for r in rows[shards == shard].tolist()]
+        return [(int(samples.start[r]), int(samples.length[r])) for r in rows]
 
 
 class NodeFuture:

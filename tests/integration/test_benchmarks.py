@@ -22,9 +22,9 @@ SMOKES = {  # benchmark: (its smallest arguments, the starts of the goal lines i
                     ["(a) pack-only vs tar -cf", "(b) validation scaling 2 vs 1 workers",
                      "(c) 2 workers vs webdataset+Pillow"]),
     "loader_bench": (["--images", "20", "--batch", "4", "--short", "6", "--long", "12", "--workers", "1",
-                      "--work", WORK],
+                      "--work", WORK, "--s3"],
                      ["best CPU backend (", "decode-only floor vs best CPU backend", "images/s: dali-cpu",
-                      *["consumer at"] * 3]),
+                      *["consumer at"] * 3, "s3 streamed vs cached, images/s:"]),
     "train_bench": (["--steps", "3", "--warmup", "1", "--nproc", "1"], ["overhead"]),
     # vit_small_cpu: its upload outlasts a few training steps, so (c) has steps to measure
     "ckpt_bench": (["--model", "vit_small_cpu", "--image-size", "32", "--saves", "1", "--every", "1"],

@@ -312,3 +312,40 @@ def test_ranks_and_workers_never_take_the_folder_over_the_bound(shards, s3_env, 
         assert sum(w["streamed"] for w in workers) > 0
     else:
         assert sum(w["streamed"] for w in workers) == 0  # what readers hold open always fits
+
+
+def test_a_streamed_shard_reads_ahead_in_coalesced_ranged_gets(shards, s3_env, monkeypatch):
+    """The reader announces its next samples: neighbours join into one ranged GET whatever the read
+    order, samples further apart than MERGE_GAP do not, no GET exceeds REQUEST_BYTES, every byte is
+    right, and a read nobody announced is one GET of its own."""
+    from vitforge.core import object_store
+    from vitforge.pipeline import stream
+
+    store, key = object_store(shards[7][0])
+    data = shard_bytes(7)
+    pieces = [(at, PIECE) for at in range(0, SHARD, PIECE)]  # 8 samples of 4 KiB, back to back
+
+    def read(order: list[tuple[int, int]]) -> list[int]:
+        gets: list[int] = []
+        streamed = StreamedShard(store, key, gets.append)
+        streamed.expect(order)
+        try:
+            assert [streamed.pread(n, at) for at, n in order] == [data[at:at + n] for at, n in order]
+            return gets
+        finally:
+            streamed.close()
+
+    shuffled = [pieces[i] for i in np.random.default_rng(0).permutation(len(pieces))]
+    assert read(pieces) == read(shuffled) == [SHARD]  # contiguous samples: one request, in either order
+    ends = [pieces[0], pieces[-1]]  # 24 KiB apart, well within MERGE_GAP: but a request of them would be
+    assert sorted(read(ends)) == [PIECE, PIECE]  # three quarters gap, so they go apart
+    assert read(pieces[:2] + pieces[3:4]) == [4 * PIECE]  # a gap no larger than its samples rides along
+    monkeypatch.setattr(stream, "REQUEST_BYTES", 2 * PIECE)
+    assert read(shuffled) == [2 * PIECE] * 4  # no request over the bound
+    monkeypatch.setattr(stream, "MERGE_GAP", PIECE - 1)
+    far = [(0, PIECE), (SHARD - PIECE, PIECE), (2 * PIECE, PIECE)]  # gaps of 4 KiB and more: no join
+    assert read(far) == [PIECE] * 3
+    gets: list[int] = []
+    unannounced = StreamedShard(store, key, gets.append)
+    assert unannounced.pread(100, 5) == data[5:105] and gets == [100]
+    unannounced.close()
