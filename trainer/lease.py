@@ -94,9 +94,9 @@ class Lease:
         with self.lock:
             while True:
                 current = self.run.store.get_versioned(LEASE)
+                holder = _parse(current[0]) if current is not None else {}
                 note = None
                 if current is not None:
-                    holder = _parse(current[0])
                     note = self._take_at_once(holder)
                     if note is None:
                         verdict = self._watch(holder, current[1], end)
@@ -106,10 +106,9 @@ class Lease:
                             continue  # released or removed while watched: judge it again
                         note = (f"took over {self.run.url} from job {_who(holder)}: its lease did not change "
                                 f"for {self._period(holder):.0f} s")
-                before = _parse(current[0]) if current else {}
-                self.run_id = before.get("run_id") or uuid.uuid4().hex
-                self.epoch = _int(before.get("epoch")) + 1
-                self.checkpoints = published_tags(before)
+                self.run_id = holder.get("run_id") or uuid.uuid4().hex
+                self.epoch = _int(holder.get("epoch")) + 1
+                self.checkpoints = published_tags(holder)
                 try:
                     self.version = self._write(current[1] if current else None, HELD)
                 except PreconditionFailed:
