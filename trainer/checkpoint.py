@@ -147,7 +147,7 @@ class Checkpointer:
             self.known_tags.update(folders)
             with_manifest = [tag for tag, files in folders.items() if MANIFEST in files]
             if self.lease.checkpoints is None:  # a run from before the published list: its manifests count
-                self.lease.checkpoints = with_manifest
+                self.lease.checkpoints = dict.fromkeys(with_manifest)
             unpublished = [tag for tag in with_manifest if tag not in self.lease.checkpoints]
             if unpublished:
                 log.warning("%s: %s have a manifest but were never published by the run's holder (a stale "

@@ -57,9 +57,11 @@ class Lease:
     holder's epoch (one more than the previous holder's) and the published checkpoints: a checkpoint
     is complete only once `publish` listed its tag, in a write conditional on the version this job
     wrote last (its fencing token). A stale copy's manifest that lands after a takeover is thus never
-    part of the run: its publish is refused by the store (412), whatever its retries carried.
+    part of the run: its publish is refused by the store (412), whatever its retries carried. Each
+    published tag keeps its publisher's epoch, so a stale manifest that lands over a step the new
+    holder published again is refused too (RunStore.manifest).
 
-    Cost: rank 0 only; one object of about 250 bytes plus 16 per retained checkpoint (retention
+    Cost: rank 0 only; one object of about 250 bytes plus 20 per retained checkpoint (retention
     bounds the list), one PUT per beat (720 an hour at most); a job that must judge a holder does one
     GET per min(lease/8, 1 s) for at most one lease period."""
 
@@ -70,7 +72,8 @@ class Lease:
         self.version: str | None = None  # of the record this job wrote last: its fencing token
         self.run_id: str | None = None  # made by the run's first holder, kept by every later one
         self.epoch = 0  # one more than the previous holder's
-        self.checkpoints: list[str] | None = None  # the published tags; None: a lease from before the list
+        # the published tags, each with its publisher's epoch; None: a lease from before the list
+        self.checkpoints: dict[str, int | None] | None = None
         self.beats = 0
         self.lost = False
         self._watching: tuple[str, float] | None = None  # (version, monotonic start) of a watch under way
@@ -189,13 +192,14 @@ class Lease:
         host's, whose manifest landed after the takeover) is refused by the store itself and its
         checkpoint never counts as complete (RunStore.complete_tags)."""
         with self.lock:
-            self.checkpoints = sorted({*(self.checkpoints or []), tag}, key=step_of)
+            self.checkpoints = dict(sorted({**(self.checkpoints or {}), tag: self.epoch}.items(),
+                                           key=lambda kv: step_of(kv[0])))
         self.refresh()
 
     def forget(self, tags: list[str]) -> None:
         """Deleted (or about to be saved again) checkpoints leave the list with the next write."""
         with self.lock:
-            self.checkpoints = [t for t in self.checkpoints or [] if t not in tags]
+            self.checkpoints = {t: e for t, e in (self.checkpoints or {}).items() if t not in tags}
 
     def start_heartbeat(self) -> None:
         def beat():

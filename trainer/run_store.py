@@ -65,10 +65,14 @@ def parse_record(data: bytes) -> dict:
         return {}
 
 
-def published_tags(record: dict) -> list[str] | None:
-    """The checkpoints a lease record lists as published; None for a record from before the list."""
+def published_tags(record: dict) -> dict[str, int | None] | None:
+    """The checkpoints a lease record lists as published, each with the epoch of the holder that
+    published it (None: adopted from a run that predates the list); None for a record without a
+    list, whose manifests all count."""
     tags = record.get("checkpoints")
-    return [t for t in tags if isinstance(t, str) and TAG.match(t)] if isinstance(tags, list) else None
+    if not isinstance(tags, dict):
+        return None
+    return {tag: epoch if isinstance(epoch, int) else None for tag, epoch in tags.items() if TAG.match(tag)}
 
 
 def split_checkpoint_url(url: str) -> tuple[str, str | None]:
@@ -112,8 +116,9 @@ class RunStore:
         except FileNotFoundError:
             return {}
 
-    def published(self) -> list[str] | None:
-        """The tags the run's holders published (Lease.publish); None when the lease does not say."""
+    def published(self) -> dict[str, int | None] | None:
+        """The tags the run's holders published (Lease.publish), with the publishing holder's epoch;
+        None when the lease does not say."""
         return published_tags(self.lease_record())
 
     def latest(self) -> str | None:
@@ -131,7 +136,8 @@ class RunStore:
 
     def manifest(self, tag: str) -> dict:
         """The manifest of `tag`. A CheckpointError when it is missing or unreadable, says another
-        step than its folder's, was never published by the run's holder, or names another run."""
+        step than its folder's, was never published by the run's holder or not by its writer (a
+        stale copy's manifest that landed over a published one), or names another run."""
         try:
             manifest = json.loads(self.store.get_bytes(f"{tag}/{MANIFEST}"))
         except FileNotFoundError:
@@ -150,6 +156,10 @@ class RunStore:
             raise CheckpointError(f"{self.object_url(tag)}: never published by the run's holder (its manifest was "
                                   "written by a copy that no longer held the run, or its commit was cut off): not "
                                   "part of the run")
+        if published is not None and published[tag] is not None and manifest.get("epoch") != published[tag]:
+            raise CheckpointError(f"{url}: written by the run's holder of epoch {manifest.get('epoch')!r}, but the "
+                                  f"holder of epoch {published[tag]} published this step: a stale copy's manifest "
+                                  "landed over the published one")
         theirs, mine = manifest.get("run_id"), record.get("run_id")
         if theirs and mine and theirs != mine:
             raise CheckpointError(f"{url}: belongs to run {theirs} (checkpoint.run {_run_name(manifest)}), not to "

@@ -173,30 +173,44 @@ def test_a_requeued_incarnation_takes_over_at_once_and_its_stale_self_is_fenced(
 def test_a_stale_holders_publish_is_refused_and_its_checkpoint_never_counts(run_url, children):
     """The window a partitioned holder leaves: it passed its ownership check, its link dropped, the
     run was taken over, and then its manifest landed. Its publish, a write conditional on the lease
-    version it holds, is refused; the checkpoint is not part of the run for any reader."""
+    version it holds, is refused; the checkpoint is not part of the run for any reader. A stale
+    manifest that lands over a step the new holder published is refused by its epoch."""
     from vitforge.core import CheckpointError
     from vitforge.trainer.run_store import RunStore
 
     old = children(run_url, "node-a", env={"SLURM_JOB_ID": "4343", "SLURM_RESTART_COUNT": "0"})
     new = children(run_url, "node-b", env={"SLURM_JOB_ID": "4343", "SLURM_RESTART_COUNT": "1"})
     run = RunStore(run_url)
+
+    def manifest(step: int, epoch: int) -> None:
+        run.put_bytes(f"step_{step:08d}/manifest.json", json.dumps(
+            {"step": step, "files": {}, "run_id": first["run_id"], "epoch": epoch}).encode())
+
     assert "ok" in old.ask("acquire")
     first = record(run_url)
-    run.put_bytes("step_00000010/manifest.json", json.dumps({"step": 10, "files": {}, "run_id": first["run_id"]}).encode())
+    manifest(10, first["epoch"])
     assert "ok" in old.ask("publish step_00000010")
     assert "ok" in new.ask("acquire")
     taken = record(run_url)
     assert (taken["run_id"], taken["epoch"], taken["checkpoints"]) == (first["run_id"], first["epoch"] + 1,
-                                                                      ["step_00000010"])
-    run.put_bytes("step_00000020/manifest.json", json.dumps({"step": 20, "files": {}, "run_id": first["run_id"]}).encode())
+                                                                      {"step_00000010": first["epoch"]})
+    manifest(20, first["epoch"])
     stale = old.ask("publish step_00000020")
     assert "this job lost ownership of the run to slurm:4343 (restart 1) on node-b" in stale["error"], stale
-    assert record(run_url)["checkpoints"] == ["step_00000010"]
+    assert record(run_url)["checkpoints"] == {"step_00000010": first["epoch"]}
     assert run.complete_tags() == ["step_00000010"]
     with pytest.raises(CheckpointError, match="step_00000020: never published by the run's holder"):
         run.manifest("step_00000020")
+    assert run.manifest("step_00000010")["epoch"] == first["epoch"]  # published by the old holder, still its own
+    manifest(30, taken["epoch"])
     assert "ok" in new.ask("publish step_00000030")  # the holder's own publish goes through
-    assert record(run_url)["checkpoints"] == ["step_00000010", "step_00000030"]
+    assert record(run_url)["checkpoints"] == {"step_00000010": first["epoch"], "step_00000030": taken["epoch"]}
+    assert run.manifest("step_00000030")["epoch"] == taken["epoch"]
+    manifest(30, first["epoch"])  # the stale copy's retried manifest lands over the new holder's
+    assert run.complete_tags() == ["step_00000010", "step_00000030"]
+    with pytest.raises(CheckpointError, match=r"step_00000030/manifest.json: written by the run's holder of epoch "
+                                              rf"{first['epoch']}, but the holder of epoch {taken['epoch']} published"):
+        run.manifest("step_00000030")
 
 
 def test_a_lease_write_whose_reply_was_lost_is_kept_not_taken_for_a_lost_run(tmp_path):
