@@ -366,6 +366,33 @@ class Cluster:
             self._relay = _Relay(self.hosts["store"].pid, (host, int(port)))
         return f"http://127.0.0.1:{self._relay.server_address[1]}"
 
+    def s3_proxy(self, schedule):
+        """The fault proxy (faulty_proxy.py) in front of the store's S3, on the store host's address
+        so that every host reaches it: (server, its endpoint URL). A thread of the test process that
+        first enters the store's network namespace starts it, and the proxy's threads inherit that
+        namespace. The server sees the proxy's address, so who sent what is in schedule.answers.
+        Stop it with schedule.released.set(), server.shutdown() and server.server_close(): its
+        listening socket would keep the store's network namespace alive."""
+        from common.faulty_proxy import start_proxy
+
+        host, port = self.s3_endpoint.removeprefix("http://").rsplit(":", 1)
+        started: dict = {}
+
+        def start() -> None:
+            try:
+                _setns_net(self.hosts["store"].pid)
+                started["proxy"] = start_proxy(int(port), schedule, listen=host, backend_host=host)
+            except Exception as e:  # raised in the caller's thread below
+                started["error"] = e
+
+        thread = threading.Thread(target=start, name="cluster-s3-proxy-start")
+        thread.start()
+        thread.join()
+        if "error" in started:
+            raise started["error"]
+        server, proxy_port = started["proxy"]
+        return server, f"http://{host}:{proxy_port}"
+
     @property
     def relay_env(self) -> dict:
         """The AWS variables for the test process (and its subprocesses), through the relay."""

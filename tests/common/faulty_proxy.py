@@ -7,17 +7,23 @@ make vary from run to run. So that no interleaving can make a test fail, a reque
 attempt was faulted is let through: every request succeeds by its second attempt, within any
 client's retry budget, however the counts fall. Clients that hang up on purpose (a deadline, a
 cancelled transfer) are expected here: their resets end the handler quietly, never with a
-traceback printed from a server thread."""
+traceback printed from a server thread.
+
+A schedule can also hold requests: those its `hold` rule picks (by client address, method, path
+and body) wait, whole, in the proxy until `released` is set, and are then sent on, as a request
+that a cut link delayed would be. Every answer is recorded with the client's address."""
 
 from __future__ import annotations
 
 import http.client
 import socket
 import struct
-import sys
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from vitforge.testing import QuietHTTPServer
 
 SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
              b"<Message>Please reduce your request rate.</Message></Error>")
@@ -25,7 +31,8 @@ SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Co
 
 class FaultSchedule:
     def __init__(self, slow_down_every: int, reset_every: int, cut_body_every: int, latency_s: float = 0.0,
-                 flip_once: str | None = None, cut_only: tuple[str, ...] | None = None):
+                 flip_once: str | None = None, cut_only: tuple[str, ...] | None = None,
+                 hold: Callable[[str, str, str, bytes], bool] | None = None):
         self.every = {"slow_down": slow_down_every, "reset": reset_every, "cut_body": cut_body_every}
         # the methods whose answers may be cut (None: all), for a server that cannot take a resent part
         self.cut_only = cut_only
@@ -33,6 +40,11 @@ class FaultSchedule:
         # the first GET of a path holding this gets one byte of its answer flipped: a bit error on the way
         self.flip_once = flip_once
         self.requests: list[tuple[str, str]] = []  # (method, path) of every request, faults included
+        self.hold = hold  # (client address, method, path, body) -> whether to hold the request
+        self.held: list[tuple[str, str, str]] = []  # (client address, method, path) of every request held
+        self.released = threading.Event()
+        # (client address, method, path, status) of every request sent on, in the order answered
+        self.answers: list[tuple[str, str, str, int]] = []
         self.count = 0
         self.injected = {name: 0 for name in self.every}
         self.faulted: set[tuple] = set()  # the requests whose last attempt was faulted
@@ -67,17 +79,8 @@ def _reset(sock: socket.socket) -> None:
     sock.close()
 
 
-class _QuietServer(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def handle_error(self, request, client_address) -> None:
-        """A client that hung up ends its handler silently; anything else is one line, no traceback."""
-        error = sys.exc_info()[1]
-        if not isinstance(error, ConnectionError):
-            sys.stderr.write(f"fault proxy: {type(error).__name__}: {error}\n")
-
-
-def start_proxy(backend_port: int, schedule: FaultSchedule) -> tuple[ThreadingHTTPServer, int]:
+def start_proxy(backend_port: int, schedule: FaultSchedule, listen: str = "127.0.0.1",
+                backend_host: str = "127.0.0.1") -> tuple[ThreadingHTTPServer, int]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
@@ -90,6 +93,10 @@ def start_proxy(backend_port: int, schedule: FaultSchedule) -> tuple[ThreadingHT
                 raise RuntimeError("chunked request bodies are not supported by this proxy")
             body = self.rfile.read(length) if length else None
             schedule.requests.append((self.command, self.path))
+            peer = self.client_address[0]
+            if schedule.hold is not None and schedule.hold(peer, self.command, self.path, body or b""):
+                schedule.held.append((peer, self.command, self.path))
+                schedule.released.wait()
             if schedule.latency_s:
                 time.sleep(schedule.latency_s)
             fault = schedule.next_fault(self.command, (self.command, self.path, self.headers.get("Range"),
@@ -105,11 +112,12 @@ def start_proxy(backend_port: int, schedule: FaultSchedule) -> tuple[ThreadingHT
                 self.end_headers()
                 self.wfile.write(SLOW_DOWN)
                 return
-            upstream = http.client.HTTPConnection("127.0.0.1", backend_port, timeout=60)
+            upstream = http.client.HTTPConnection(backend_host, backend_port, timeout=60)
             upstream.request(self.command, self.path, body=body, headers=dict(self.headers.items()))
             response = upstream.getresponse()
             data = response.read()
             upstream.close()
+            schedule.answers.append((peer, self.command, self.path, response.status))
             if data and schedule.flip(self.command, self.path):
                 data = data[:-1] + bytes([data[-1] ^ 0xFF])
             self.send_response_only(response.status, response.reason)
@@ -131,6 +139,7 @@ def start_proxy(backend_port: int, schedule: FaultSchedule) -> tuple[ThreadingHT
 
         do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _handle
 
-    server = _QuietServer(("127.0.0.1", 0), Handler)
+    server = QuietHTTPServer((listen, 0), Handler)
+    server.label = "fault proxy"
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, server.server_address[1]

@@ -19,6 +19,7 @@ import pytest
 from common import cluster_harness
 from common.cluster_harness import PYTHON
 from common.checks import assert_same_weights, losses, weights
+from common.faulty_proxy import FaultSchedule
 from common.cli import EXTENSIONS, REPO
 from vitforge.cluster import JOB_ENDED
 from vitforge.cluster.slurm import parse_job_info
@@ -125,9 +126,11 @@ def dataset(cluster, data):
     return bucket
 
 
-def submit(cluster, logs: Path, run: str, bucket: str, *spec_sets: str, overrides: tuple = ()) -> str:
+def submit(cluster, logs: Path, run: str, bucket: str, *spec_sets: str, overrides: tuple = (),
+           env: dict | None = None) -> str:
     """`vitforge submit` of the tiny spec from the login host (ctl), 2 nodes x 2 ranks unless
-    `spec_sets` say otherwise; returns the job id."""
+    `spec_sets` say otherwise, in the environment `env` adds to (the job inherits it); returns the
+    job id."""
     train = [f"data.train=s3://{bucket}/train", f"data.val=s3://{bucket}/val", f"train.eval_every={STEPS}",
              "data.backend=torch", "data.workers=0",
              f"checkpoint.dir=s3://{bucket}/runs", f"checkpoint.run={run}", f"checkpoint.log_dir={logs / 'metrics'}",
@@ -137,7 +140,7 @@ def submit(cluster, logs: Path, run: str, bucket: str, *spec_sets: str, override
     out = cluster.vitforge(
         "submit", "tiny_cpu", "--set", "nodes=2", "--set", "tasks_per_node=2", "--set", "network_interface=eth0",
         "--set", f"venv={REPO / '.venv'}", "--set", f"log_dir={logs}", "--set", f"name={run}",
-        "--set", f"train.overrides=[{', '.join(train)}]", *spec_sets, env=EXTENSIONS).stdout
+        "--set", f"train.overrides=[{', '.join(train)}]", *spec_sets, env={**EXTENSIONS, **(env or {})}).stdout
     return re.search(r"submitted job (\d+)", out).group(1)
 
 
@@ -310,18 +313,6 @@ def requeued_to(cluster, job: str, restart: int, timeout: float = 120) -> dict:
         time.sleep(0.3)
 
 
-def written_since(cluster, mark: int, bucket: str, address: str) -> list:
-    """Writes (PUT, POST, DELETE) the S3 server accepted from `address` since `mark`, with their status;
-    a conditional write it refused (412) changed nothing and is not one."""
-    return [(r["operation"], r.get("key"), r.get("status")) for r in cluster.s3_records(since=mark)
-            if r.get("bucket") == bucket and sent_by(r, address)
-            and r.get("operation", "").split(".")[1] in ("PUT", "POST", "DELETE") and int(r.get("status", 0)) < 300]
-
-
-def sent_by(record: dict, address: str) -> bool:
-    return record.get("remote_ip", "").rsplit(":", 1)[0] == address
-
-
 @pytest.mark.slow
 def test_preempted_then_a_host_lost_mid_upload_resumes_on_other_hosts_and_ends_like_the_reference(
         cluster, dataset, reference, s3_here, tmp_path):
@@ -403,41 +394,76 @@ def test_preempted_then_a_host_lost_mid_upload_resumes_on_other_hosts_and_ends_l
 
 
 @pytest.mark.slow
-def test_a_partitioned_host_is_replaced_and_its_stale_copy_writes_nothing(cluster, dataset, reference, s3_here,
-                                                                         tmp_path):
-    """The first node (rank 0, the lease holder) is cut off while its ranks run: SLURM requeues the
-    job onto the two other hosts; when the link returns, the stale copy writes nothing before SLURM
-    kills it, and the run ends like the reference."""
-    # A collective timeout longer than the partition: the stale ranks are still alive when it ends.
-    job = submit(cluster, tmp_path, "partition", dataset, overrides=("train.collective_timeout_s=300",))
-    wait_log(tmp_path, job, r"step (2[5-9]|[3-9]\d) loss", timeout=240)  # past the checkpoint at 20
-    first = hosts_of(cluster, job_info(cluster, job))
-    cut = first[0]
-    stale = command_pids(cluster, cut, b"vitforge\0train")
-    assert len(stale) == 2
-    cluster.link(cut, False)
+def test_a_partitioned_host_is_replaced_and_its_stale_copy_publishes_nothing(cluster, dataset, reference, s3_here,
+                                                                            tmp_path):
+    """The first node (rank 0, the lease holder) passes its ownership check for the checkpoint at
+    step 40 and writes its manifest; its publish (the conditional lease write listing step 40) is
+    delayed on the way, and its link is cut. SLURM requeues the job onto the two other hosts, which
+    take the run over and resume from step 20. The delayed publish then reaches the store and is
+    refused (412); when the link returns, the stale copy writes nothing before SLURM kills it, and
+    the run ends like the reference. All S3 traffic goes through the fault proxy, which holds the
+    stale publish and records who sent what."""
+    run = "runs/partition/lease.json"
+    cut_address: list[str] = []  # set once the job's hosts are known: the rule reads it
+
+    def stale_publish(peer: str, method: str, path: str, body: bytes) -> bool:
+        return (peer in cut_address and method == "PUT" and path.split("?")[0].endswith(run)
+                and b'"step_00000040"' in body)
+
+    schedule = FaultSchedule(0, 0, 0, hold=stale_publish)
+    proxy, endpoint = cluster.s3_proxy(schedule)
     try:
-        info = requeued_to(cluster, job, 1, timeout=180)
-        assert cut not in hosts_of(cluster, info)
-        resumed = wait_log(tmp_path, job, r"resumed s3://\S+/step_(\d+)", timeout=180)
-        wait_log(tmp_path, job, r"step \d+ loss", after=resumed.end())
-        assert all(Path(f"/proc/{pid}").exists() for pid in stale)  # both copies run at once
+        # A collective timeout longer than the partition: the stale ranks are still alive when it ends.
+        job = submit(cluster, tmp_path, "partition", dataset, overrides=("train.collective_timeout_s=300",),
+                     env={"AWS_ENDPOINT_URL": endpoint})
+        info = wait_job(cluster, job, tmp_path, states=("RUNNING",), timeout=120)
+        cut = hosts_of(cluster, info)[0]
+        cut_address.append(cluster.address_of(cut))
+        deadline = time.monotonic() + 300
+        while not schedule.held:
+            assert time.monotonic() < deadline, job_log(tmp_path, job)[-4000:]
+            time.sleep(0.2)
+        stale = command_pids(cluster, cut, b"vitforge\0train")
+        assert len(stale) == 2
+        cluster.link(cut, False)
+        try:
+            info = requeued_to(cluster, job, 1, timeout=180)
+            assert cut not in hosts_of(cluster, info)
+            resumed = wait_log(tmp_path, job, r"resumed s3://\S+/step_(\d+)", timeout=180)
+            assert resumed.group(1) == "00000020", job_log(tmp_path, job)[-4000:]  # 40 was never published
+            assert "step_00000040 have a manifest but were never published" in job_log(tmp_path, job)
+            wait_log(tmp_path, job, r"step \d+ loss", after=resumed.end())
+            assert all(Path(f"/proc/{pid}").exists() for pid in stale)  # both copies run at once
+            # The takeover is done: the stale publish, held until now, reaches the store.
+            mark = len(schedule.answers)
+            schedule.released.set()
+            deadline = time.monotonic() + 60
+            def publishes():
+                return [a for a in schedule.answers[mark:] if a[0] == cut_address[0] and a[1] == "PUT"
+                        and a[2].split("?")[0].endswith(run)]
+            while not publishes():
+                assert time.monotonic() < deadline, "the held publish was not sent on"
+                time.sleep(0.1)
+            assert [a[3] for a in publishes()] == [412], schedule.answers[mark:]
+        finally:
+            cluster.link(cut, True)
+        deadline = time.monotonic() + 60
+        while any(cluster_harness.alive(pid) for pid in stale):
+            assert time.monotonic() < deadline, "SLURM did not end the stale copy"
+            time.sleep(0.2)
+        print(f"the stale copy on {cut} ended {60 - (deadline - time.monotonic()):.1f} s after its link returned")
+        written = [a for a in schedule.answers[mark:] if a[0] == cut_address[0]
+                   and a[1] in ("PUT", "POST", "DELETE") and a[3] < 300]
+        assert written == []  # no write of the stale copy landed after the takeover: not `latest`, not the lease
+        info = wait_job(cluster, job, tmp_path)
+        assert info["JobState"] == "COMPLETED", job_log(tmp_path, job)[-4000:]
     finally:
-        mark = cluster.s3_mark()
-        cluster.link(cut, True)
-    deadline = time.monotonic() + 60
-    while any(cluster_harness.alive(pid) for pid in stale):
-        assert time.monotonic() < deadline, "SLURM did not end the stale copy"
-        time.sleep(0.2)
-    print(f"the stale copy on {cut} ended {60 - (deadline - time.monotonic()):.1f} s after its link returned")
-    refused = [r for r in cluster.s3_records(since=mark) if sent_by(r, cluster.address_of(cut))
-               and int(r.get("status", 0)) == 412]
-    print(f"writes the store refused from the stale copy after its link returned: {len(refused)}")
-    assert written_since(cluster, mark, dataset, cluster.address_of(cut)) == []
-    info = wait_job(cluster, job, tmp_path)
-    assert info["JobState"] == "COMPLETED", job_log(tmp_path, job)[-4000:]
-    lease = json.loads(cluster.s3_client().get_object(Bucket=dataset, Key="runs/partition/lease.json")["Body"].read())
+        schedule.released.set()
+        proxy.shutdown()
+        proxy.server_close()
+    lease = json.loads(cluster.s3_client().get_object(Bucket=dataset, Key=run)["Body"].read())
     assert lease["incarnation"] == 1 and lease["state"] == "released"  # the new copy's, to the end
+    assert lease["checkpoints"] == {"step_00000020": lease["epoch"] - 1, "step_00000040": lease["epoch"]}
     assert losses(tmp_path / "metrics") == losses(reference["logs"] / "metrics")
     assert_same_weights(weights(f"s3://{dataset}/runs/partition"), weights(reference["url"]))
 
