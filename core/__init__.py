@@ -13,7 +13,8 @@ from .progress import Progress  # noqa: E402
 from .retry import TransientError, with_retries  # noqa: E402
 from .scheduler import SCHEDULERS, Scheduler, SchedulerEnv, first_host, scheduler_env  # noqa: E402
 from .store import (ENTRY_POINT_GROUP, LocalWriteError, ObjectInfo, Store, is_remote, local_write_error,  # noqa: E402
-                    object_store, open_store, process_alive, register_store, store_schemes)
+                    object_store, open_store, process_alive, read_only, read_only_error, register_store,
+                    store_schemes)
 from .urls import check_no_userinfo, check_store_url, masked  # noqa: E402
 
 __all__ = [
@@ -22,7 +23,7 @@ __all__ = [
     "__version__", "atomic_path", "atomic_write", "check_no_userinfo", "check_store_url",
     "die_with_parent", "free_port", "is_remote",
     "local_write_error", "masked", "object_store", "open_store", "process_alive", "process_rank", "record_exit_code",
-    "register_store",
+    "read_only", "read_only_error", "register_store",
     "setup_logging", "sha256_file", "store_schemes", "with_retries",
     # where this process sits in its job
     "SCHEDULERS", "Scheduler", "SchedulerEnv", "first_host", "scheduler_env",

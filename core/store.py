@@ -6,7 +6,8 @@ Implementations: `file://` and plain paths (store_local.py), `s3://` (store_s3.p
 so a login node that only touches S3 never imports the Google or Azure clients. A user's own
 scheme registers with `register_store`, or from another installed package through the entry point
 group `vitforge.stores` (name: the scheme; value: "module:opener"), the way Python packages
-declare plugins.
+declare plugins. Any other scheme fsspec knows (http(s)://, memory://, hdfs://, sftp://, hf://)
+falls back to a read-only store through fsspec (store_fsspec.py), which refuses every write.
 
 What every implementation guarantees (tests/integration/test_store_contract.py runs one suite against each):
 - writes are all or nothing: a reader sees the old object or the whole new one, never a part;
@@ -140,6 +141,7 @@ _BUILTIN = {
     "az": "vitforge.core.store_azure:open_azure", "abfs": "vitforge.core.store_azure:open_azure",
     "abfss": "vitforge.core.store_azure:open_azure",
 }
+FSSPEC_FALLBACK = "vitforge.core.store_fsspec:open_fsspec"  # read-only, for any other scheme fsspec knows
 _openers: dict[str, Opener | str] = dict(_BUILTIN)
 _entry_points_loaded = False
 
@@ -170,10 +172,34 @@ def open_store(url: str, work_dir: str = "_work/tmp") -> Store:
     scheme = scheme_of(url)
     if is_remote(url):
         check_store_url(url)
-    opener = registry.find(_openers, scheme, more=_load_entry_points, unknown=lambda known: UsageError(
-        f"{url}: no store for {scheme}:// (known: {', '.join(s + '://' for s in known)}; "
-        f"a package adds one through the entry point group {ENTRY_POINT_GROUP!r})"))
+    if read_only(url):
+        return registry.load(FSSPEC_FALLBACK)(url, work_dir)
+    opener = registry.find(_openers, scheme, unknown=lambda known: UsageError(
+        f"{url}: no store for {scheme}:// (known: {', '.join(s + '://' for s in known)}, and for reading any "
+        f"scheme fsspec knows; a package adds one through the entry point group {ENTRY_POINT_GROUP!r})"))
     return opener(url, work_dir)
+
+
+def read_only(url: str) -> bool:
+    """Whether `url` is read through fsspec (no store of its own): then nothing may be written there."""
+    scheme = scheme_of(url)
+    if scheme not in _openers:
+        _load_entry_points()
+    return scheme not in _openers and _fsspec_knows(scheme)
+
+
+def read_only_error(url: str) -> UsageError:
+    """The refusal of a write to a store `read_only` says is one, naming the scheme and what it lacks."""
+    return UsageError(f"{url}: {scheme_of(url)}:// is read through fsspec, which offers no all-or-nothing write "
+                      "and no compare-and-swap (what checkpoints, the lease and sharder outputs need): write to a "
+                      "local folder, s3://, gs:// or az:// instead")
+
+
+def _fsspec_knows(scheme: str) -> bool:
+    """Whether fsspec has a filesystem for `scheme` (its package may still be missing: the opener says)."""
+    from fsspec.registry import known_implementations, registry as loaded
+
+    return scheme in known_implementations or scheme in loaded
 
 
 def bucket_and_prefix(url: str) -> tuple[str, str]:

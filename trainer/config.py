@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from vitforge.core import check_no_userinfo, check_store_url, is_remote, store_schemes
+from vitforge.core import check_no_userinfo, check_store_url, is_remote, read_only, read_only_error, store_schemes
 from vitforge.core.store import scheme_of
 from vitforge.core.settings import Strict, Switch, load_validated
 from vitforge.pipeline import LoaderSettings
@@ -280,6 +280,8 @@ class CheckpointConfig(Strict):
     @classmethod
     def _known_scheme(cls, value: str) -> str:
         scheme = scheme_of(value)
+        if read_only(value):
+            raise ValueError(str(read_only_error(value)))
         if scheme not in store_schemes():
             raise ValueError(f"{value!r}: no store for {scheme}:// (a local folder, or one of "
                              f"{', '.join(s + '://' for s in store_schemes())})")
