@@ -35,7 +35,6 @@ from .retry import TransientError, store_limits, with_retries
 from .store import ObjectInfo, StagedStore, read_only_error, scheme_of, whole
 
 
-
 def open_fsspec(url: str, work_dir: str) -> "FsspecStore":
     import fsspec
 
@@ -155,15 +154,14 @@ class FsspecStore(StagedStore):
                 folders.append(relative.rstrip("/"))
             else:
                 size = entry.get("size")
-                name = f"{prefix.rstrip('/')}/{relative}" if prefix else relative
-                objects[relative] = int(size) if size is not None else self.stat(name).size
+                objects[relative] = int(size) if size is not None else self.stat(_under(prefix, relative)).size
         return sorted(folders), dict(sorted(objects.items()))
 
     def walk(self, prefix: str = "") -> dict[str, int]:
         folders, objects = self.list_folder(prefix)
-        found = {f"{prefix.rstrip('/')}/{n}" if prefix else n: size for n, size in objects.items()}
+        found = {_under(prefix, n): size for n, size in objects.items()}
         for sub in folders:
-            found.update(self.walk(f"{prefix.rstrip('/')}/{sub}" if prefix else sub))
+            found.update(self.walk(_under(prefix, sub)))
         return dict(sorted(found.items()))
 
     def abort_uploads(self, prefix: str) -> int:
@@ -184,6 +182,11 @@ class FsspecStore(StagedStore):
 
     def delete(self, names: list[str]) -> None:
         raise self._read_only(names[0] if names else "")
+
+
+def _under(prefix: str, name: str) -> str:
+    """The store name of `name` in the folder `prefix` ("" is the store's root)."""
+    return f"{prefix.rstrip('/')}/{name}" if prefix else name
 
 
 def _relative(path: str, folder: str) -> str:
