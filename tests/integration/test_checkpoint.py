@@ -336,7 +336,9 @@ def test_non_finite_loss_stops_before_any_checkpoint_of_it(data):
 
 @pytest.mark.parametrize("override, message, code", [
     ("model.name=vit_nonexistent_patch16", "model.name: unknown model 'vit_nonexistent_patch16'", errors.USAGE),
-    ("checkpoint.dir=hdfs://bucket/runs", "no store for hdfs:// (a local folder, or one of", errors.USAGE),
+    ("checkpoint.dir=nosuch://bucket/runs", "no store for nosuch:// (a local folder, or one of", errors.USAGE),
+    ("checkpoint.dir=hdfs://bucket/runs", "hdfs:// is read through fsspec, which offers no all-or-nothing write",
+     errors.USAGE),
     ("checkpoint.dir=s3:///runs", "no bucket in the s3:// URL", errors.USAGE),
     ("train.steps=-5", "train.steps: Input should be greater than or equal to 1", errors.USAGE),
     ("train.checkpoint_every=0", "train.checkpoint_every: Input should be greater than or equal to 1", errors.USAGE),
