@@ -23,7 +23,8 @@ from dataclasses import asdict, dataclass, field
 
 from vitforge.core import PreconditionFailed, Progress, StorageError, UsageError, open_store, process_alive
 
-from .images import ImageOptions, Rejected, normalise
+from .download import Downloader, DownloadOptions, Fetched
+from .images import ImageOptions, Rejected, normalise, sniff
 from .manifest import HISTOGRAMS, RECORDS_DIR, ManifestError, labelled, merge, record_name, shard_name
 from .parallel import ordered_map
 from .plan import (HEADER_NAME, LEGACY_PLAN_NAME, PLAN_DIR, Inputs, PlanHeader, PlanItem, fingerprint, load_slice,
@@ -58,6 +59,10 @@ class ShardJob:
     num_parts: int = 1
     part: int = 0
     plan_wait_s: float = 24 * 3600  # how long a task waits for another task's plan
+    url_column: str | None = None  # SRC is a URL list: this manifest column holds the http(s) URLs to download
+    caption_column: str | None = None  # a URL list's caption: the sample's .txt member
+    meta_columns: tuple[str, ...] | None = None  # the manifest columns kept in each sample's JSON (default all)
+    download: DownloadOptions = field(default_factory=DownloadOptions)
 
     def __post_init__(self):
         if not self.prefix or any(c in self.prefix for c in "./ "):
@@ -72,6 +77,8 @@ class ShardJob:
             raise UsageError(f"--workers must be >= 1, not {self.workers}")
         if not self.plan_wait_s > 0:
             raise UsageError(f"--plan-wait must be > 0 seconds, not {self.plan_wait_s}")
+        if (self.caption_column or self.meta_columns is not None) and not self.url_column:
+            raise UsageError("--caption-col and --meta-col describe a URL list: give --url-col too")
 
     def output_parameters(self) -> dict:
         """Everything that shapes the output bytes, and nothing else (not workers, not part)."""
@@ -82,7 +89,18 @@ class ShardJob:
             "root": self.root, "labels": self.labels,
             # Only when set, so datasets sharded before the option existed keep their fingerprint.
             **({"follow_symlinks": True} if self.follow_symlinks else {}),
+            **(self._url_parameters() if self.url_column else {}),
         }
+
+    def _url_parameters(self) -> dict:
+        """A URL list's settings that decide which rows become samples (not timeouts or concurrency:
+        those change how fast, and which rows fail transiently, not what a success holds)."""
+        d = self.download
+        return {"url_column": self.url_column, "caption_column": self.caption_column,
+                "meta_columns": list(self.meta_columns) if self.meta_columns is not None else None,
+                "download": {"max_bytes": d.max_bytes, "max_redirects": d.max_redirects,
+                             "ignore_opt_outs": sorted(d.ignore_opt_outs),
+                             "allow_networks": [str(n) for n in d.allow_networks], "user_agent": d.user_agent}}
 
 
 @dataclass
@@ -106,11 +124,22 @@ def command_line(parameters: dict) -> str:
     args += [] if image["validate"] else ["--no-validate"]
     args += ["--dedup"] if parameters["dedup"] else []
     args += ["--classes", parameters["classes_file"]] if parameters["classes_file"] else []
-    args += ["--path-column", parameters["path_column"]]
+    args += _url_args(parameters) if parameters.get("url_column") else ["--path-column", parameters["path_column"]]
     args += ["--label-column", parameters["label_column"]] if labelled(parameters) else ["--no-labels"]
     args += ["--root", parameters["root"]] if parameters.get("root") else []
     args += ["--follow-symlinks"] if parameters.get("follow_symlinks") else []
     return shlex.join(display_path(a) for a in args)
+
+
+def _url_args(parameters: dict) -> list[str]:
+    download = parameters["download"]
+    args = ["--url-col", parameters["url_column"]]
+    args += ["--caption-col", parameters["caption_column"]] if parameters["caption_column"] else []
+    args += [a for column in parameters["meta_columns"] or () for a in ("--meta-col", column)]
+    args += ["--max-body", str(download["max_bytes"]), "--max-redirects", str(download["max_redirects"]),
+             "--user-agent", download["user_agent"]]
+    args += [a for name in download["ignore_opt_outs"] for a in ("--ignore-opt-out", name)]
+    return args + [a for network in download["allow_networks"] for a in ("--allow-network", network)]
 
 
 def merge_parts(dest: str) -> dict:
@@ -207,11 +236,16 @@ def _checked(job: ShardJob, header: PlanHeader) -> PlanHeader:
 def _make_plan(job: ShardJob, store) -> PlanHeader:
     started = time.monotonic()
     classes = load_class_names(job.classes_file) if job.classes_file else None
-    corpus = list_corpus(job.src, classes=classes, path_column=job.path_column, label_column=job.label_column,
-                         root=job.root, labelled=job.labels, follow_symlinks=job.follow_symlinks)
+    corpus = list_corpus(job.src, classes=classes, path_column=job.url_column or job.path_column,
+                         label_column=job.label_column, root=job.root, labelled=job.labels,
+                         follow_symlinks=job.follow_symlinks, url_list=bool(job.url_column),
+                         meta_columns=job.meta_columns)
     inputs = Inputs.of(corpus.records, job.seed)  # records stream into the columns, none is kept
+    # A URL list is deduplicated by URL before anything is downloaded; its images' contents are
+    # known only once fetched.
+    read = (lambda url: url.encode()) if job.url_column else read_source
     plan = plan_inputs(inputs, corpus.classes, job.output_parameters(), shard_bytes=job.shard_bytes,
-                       shard_samples=job.shard_samples, dedup=job.dedup)
+                       shard_samples=job.shard_samples, dedup=job.dedup, read=read)
     header = write_plan(store, plan, job.num_parts)
     log.info("planned %d inputs into %d shards in %d slices (%.1f s)", header.inputs, header.shards,
              header.parts, time.monotonic() - started)
@@ -264,9 +298,15 @@ def _build_shards(job: ShardJob, shards: list[list[PlanItem]], classes: tuple[st
                   names: list[str]) -> None:
     items = [item for shard in shards for item in shard]
     progress = Progress(len(items), "shard")
-    process = functools.partial(_process_item, opts=job.image, classes=classes)
+    process = functools.partial(_process_item, opts=job.image, classes=classes, caption=job.caption_column)
+    downloader = Downloader(job.download) if job.url_column else None
+    if downloader is not None:
+        fetched = downloader.fetch_ordered(None if item.problem else item.source for item in items)
+        inputs = zip(items, fetched)
+    else:
+        inputs = ((item, None) for item in items)
     # Packing without validation is file reads and hashing, which threads overlap well.
-    results = ordered_map(process, items, job.workers, threads=not job.image.validate)
+    results = ordered_map(process, inputs, job.workers, threads=not job.image.validate)
     # One publisher thread syncs and uploads shard N while shard N+1 is packed; at most one waits.
     publisher = ThreadPoolExecutor(1, thread_name_prefix="publish")
     published = None
@@ -282,6 +322,8 @@ def _build_shards(job: ShardJob, shards: list[list[PlanItem]], classes: tuple[st
         results.close()
         publisher.shutdown(wait=True)
         progress.close()
+        if downloader is not None:
+            downloader.close()
 
 
 @dataclass
@@ -301,6 +343,7 @@ def _pack_shard(staging: str, results, progress: Progress) -> StagedShard:
             for result in results:
                 if "reject" in result:
                     rejects.append(result["reject"])
+                    progress.count(result["reject"]["reason"])
                 else:
                     writer.write(result["sample"])
                     if result["label"] is not None:
@@ -346,23 +389,39 @@ def power_of_two_band(value: int) -> int:
     return 1 << (value.bit_length() - 1) if value > 0 else 0
 
 
-def _process_item(item: PlanItem, *, opts: ImageOptions, classes: tuple[str, ...]) -> dict:
-    """Runs in a worker: read, validate and normalise one input into a sample (or a reject)."""
+def _process_item(pair: tuple[PlanItem, Fetched | None], *, opts: ImageOptions, classes: tuple[str, ...],
+                  caption: str | None) -> dict:
+    """Runs in a worker: read (or take the download of), validate and normalise one input into a
+    sample (or a reject)."""
+    item, fetched = pair
     shown = display_path(item.source)
     if item.problem:
         return {"reject": {"key": item.key, "source": shown, "reason": item.problem[0], "detail": item.problem[1]}}
+    if fetched is not None and fetched.data is None:
+        return {"reject": {"key": item.key, "source": shown, "reason": fetched.reason, "detail": fetched.detail,
+                           "status": fetched.status, "retryable": fetched.retryable, "host": fetched.host}}
     try:
-        data = read_source(item.source)
-        ext_hint = os.path.splitext(item.source)[1].lower().lstrip(".").replace("jpeg", "jpg") or "jpg"
+        if fetched is not None:
+            data = fetched.data
+            ext_hint = sniff(data)  # a URL's name and Content-Type are hints a server can get wrong
+            if ext_hint is None:
+                raise Rejected("not_an_image", f"served as {fetched.content_type or 'no type'}, "
+                                               f"starts with {data[:16]!r}")
+        else:
+            data = read_source(item.source)
+            ext_hint = os.path.splitext(item.source)[1].lower().lstrip(".").replace("jpeg", "jpg") or "jpg"
         encoded = normalise(data, ext_hint, opts)
     except Rejected as e:
-        return {"reject": {"key": item.key, "source": shown, "reason": e.reason, "detail": e.detail}}
+        downloaded = {} if fetched is None else {"status": fetched.status, "host": fetched.host}
+        return {"reject": {"key": item.key, "source": shown, "reason": e.reason, "detail": e.detail, **downloaded}}
     except StorageError:
         raise  # the store itself failed (its deadline passed): no image is to blame
     except OSError as e:
         detail = f"{type(e).__name__}: {e.strerror or e}"
         return {"reject": {"key": item.key, "source": shown, "reason": "unreadable", "detail": detail}}
     info = {"source": shown, "sha256": hashlib.sha256(data).hexdigest(), "source_bytes": len(data)}
+    if fetched is not None:
+        info.update(url=fetched.url, final_url=fetched.final_url, status=fetched.status)
     if item.label is not None:
         info.update({"label": item.label, "class": classes[item.label]})
     if opts.validate:
@@ -373,6 +432,8 @@ def _process_item(item: PlanItem, *, opts: ImageOptions, classes: tuple[str, ...
     if item.meta:
         info["meta"] = item.meta
     label = {} if item.label is None else {"cls": str(item.label).encode()}
+    text = item.meta.get(caption) if caption else None
+    label.update({"txt": str(text).encode()} if text is not None else {})
     sample = {"__key__": item.key, encoded.ext: encoded.data, **label,
               "json": json.dumps(info, sort_keys=True).encode()}
     return {"sample": sample, "label": item.label, "changes": encoded.changes, "bytes": len(data),

@@ -12,7 +12,10 @@ from vitforge.core.cli_args import bounded, non_negative_int, positive_float, po
 from vitforge.core.errors import CHECK_FAILED
 
 from .build import ShardJob, merge_parts, run
+from .download import USER_AGENT, DownloadOptions
 from .images import ImageOptions
+from .optouts import OPT_OUTS
+from .url_guard import parse_networks
 from .verify import info, verify
 
 DESCRIPTION = """\
@@ -27,8 +30,12 @@ SRC is a class-folder tree (SRC/CLASS/IMAGE, as ImageNet's train split) or a CSV
 Parquet manifest with a path column and a label column; DEST is a folder or an s3:// prefix.
 With --no-labels, SRC is any folder of images (at any depth) or a manifest with only a path
 column, and the samples carry no label: for self-supervised pre-training (masked patch prediction).
+With --url-col, SRC is a URL list (CSV / TSV / JSONL / Parquet, as LAION's and DataComp's):
+each row's image is downloaded (opt-outs honoured, private addresses refused, retried within a
+deadline) and then validated and packed like a local image; failures are rows of rejects.jsonl.
 Object-store endpoint and credentials come from the standard AWS environment (AWS_ENDPOINT_URL,
 AWS_PROFILE, AWS_ACCESS_KEY_ID ...)."""
+URL_LIST_SHARD_SAMPLES = 10_000  # a URL list has no sizes before downloading: shards close by count
 
 SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
               "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
@@ -76,13 +83,15 @@ def build_parser() -> argparse.ArgumentParser:
     labels.add_argument("--no-labels", dest="labels", action="store_false",
                         help="an unlabelled corpus: every image under SRC, or every manifest row, without a label")
     labels.add_argument("--path-column", default="path", help="manifest column with the image path (default path)")
-    labels.add_argument("--label-column", default="label", help="manifest column with the label (default label)")
+    labels.add_argument("--label-column", "--label-col", default="label",
+                        help="manifest column with the label (default label)")
     labels.add_argument("--root", default=None,
                         help="manifest paths must resolve inside this folder or URL prefix (default: the manifest's "
                              "own folder; --root / allows any local path); rows outside it are rejected")
     labels.add_argument("--follow-symlinks", action="store_true",
                         help="follow symlinked folders below a folder SRC (default: skipped, with a warning); "
                              "only those leading inside SRC, or inside --root when given, and each real folder once")
+    _url_arguments(p)
     run_group = p.add_argument_group("execution")
     run_group.add_argument("--workers", type=positive_int, default=default_workers(),
                            help="decode/validate processes (default: CPUs available); output is the same for any N")
@@ -96,6 +105,44 @@ def build_parser() -> argparse.ArgumentParser:
                                 "waiting after this long (default 86400); a planner that died is taken over")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return p
+
+
+def _url_arguments(p: argparse.ArgumentParser) -> None:
+    d = DownloadOptions()
+    urls = p.add_argument_group("URL lists (SRC a manifest of http(s) URLs; shards close at "
+                                f"{URL_LIST_SHARD_SAMPLES} samples unless --shard-samples says otherwise)")
+    urls.add_argument("--url-col", dest="url_column", default=None,
+                      help="the column holding each row's image URL: makes SRC a URL list to download")
+    urls.add_argument("--caption-col", dest="caption_column", default=None,
+                      help="a caption column: each sample's .txt member (and kept in its JSON)")
+    urls.add_argument("--meta-col", dest="meta_columns", action="append", default=None, metavar="COL",
+                      help="a column kept in each sample's JSON (repeatable; default: every column)")
+    urls.add_argument("--concurrency", type=positive_int, default=d.concurrency,
+                      help=f"downloads in flight (default {d.concurrency}); the output is the same for any value")
+    urls.add_argument("--per-host", type=positive_int, default=d.per_host,
+                      help=f"connections per host (default {d.per_host})")
+    urls.add_argument("--host-rate", type=float, default=d.host_rate, metavar="PER_SECOND",
+                      help="request starts per second per host (default 0: unlimited)")
+    urls.add_argument("--connect-timeout", type=positive_float, default=d.connect_timeout, metavar="SECONDS",
+                      help=f"default {d.connect_timeout:g}")
+    urls.add_argument("--first-byte-timeout", type=positive_float, default=d.first_byte_timeout, metavar="SECONDS",
+                      help=f"until the response's headers, and between reads of its body (default "
+                           f"{d.first_byte_timeout:g})")
+    urls.add_argument("--deadline", type=positive_float, default=d.deadline, metavar="SECONDS",
+                      help=f"one URL's whole download: redirects, retries and body (default {d.deadline:g})")
+    urls.add_argument("--retries", type=non_negative_int, default=d.retries,
+                      help=f"retries of connection errors, timeouts, 408, 429 and 5xx (default {d.retries}); "
+                           "Retry-After is honoured, other 4xx are never retried")
+    urls.add_argument("--max-body", type=parse_size, default=d.max_bytes, metavar="SIZE",
+                      help=f"refuse larger downloads (default {d.max_bytes >> 20}MiB)")
+    urls.add_argument("--max-redirects", type=non_negative_int, default=d.max_redirects,
+                      help=f"default {d.max_redirects}; a redirect loop fails at once")
+    urls.add_argument("--user-agent", default=USER_AGENT, help="names the project and a contact by default")
+    urls.add_argument("--ignore-opt-out", dest="ignore_opt_outs", action="append", default=[], choices=OPT_OUTS,
+                      help="do not honour this opt-out (robots.txt or x-robots-tag); by name, one at a time")
+    urls.add_argument("--allow-network", dest="allow_networks", action="append", default=[], metavar="CIDR",
+                      help="let downloads reach this network although it is loopback, private or link-local "
+                           "(refused by default: a crawled list must not reach a node's metadata endpoint)")
 
 
 def _subcommand_parser(name: str, help_text: str, workers: bool = False) -> argparse.ArgumentParser:
@@ -134,9 +181,17 @@ def main(argv: list[str]) -> int:
 
 def _shard(args: argparse.Namespace) -> int:
     logging.getLogger().setLevel(args.log_level)
+    download = DownloadOptions(
+        concurrency=args.concurrency, per_host=args.per_host, host_rate=args.host_rate,
+        connect_timeout=args.connect_timeout, first_byte_timeout=args.first_byte_timeout, deadline=args.deadline,
+        retries=args.retries, max_redirects=args.max_redirects, max_bytes=args.max_body, user_agent=args.user_agent,
+        ignore_opt_outs=tuple(sorted(set(args.ignore_opt_outs))),
+        allow_networks=parse_networks(args.allow_networks))
+    shard_samples = args.shard_samples or (URL_LIST_SHARD_SAMPLES if args.url_column else None)
     job = ShardJob(
         src=args.src, dest=args.dest, prefix=args.prefix, seed=args.seed, shard_bytes=args.shard_bytes or None,
-        shard_samples=args.shard_samples,
+        shard_samples=shard_samples, url_column=args.url_column, caption_column=args.caption_column,
+        meta_columns=_kept_columns(args), download=download,
         image=ImageOptions(format=args.format, quality=args.quality, max_side=args.max_side,
                            min_side=args.min_side, max_pixels=args.max_pixels, validate=args.validate),
         dedup=args.dedup, classes_file=args.classes_file, path_column=args.path_column,
@@ -155,6 +210,14 @@ def _shard(args: argparse.Namespace) -> int:
     return 0
 
 
+def _kept_columns(args: argparse.Namespace) -> tuple[str, ...] | None:
+    """--meta-col's columns, the caption column among them (it goes in the JSON too)."""
+    if args.meta_columns is None:
+        return None
+    extra = [args.caption_column] if args.caption_column and args.caption_column not in args.meta_columns else []
+    return tuple(args.meta_columns + extra)
+
+
 def _classes(manifest: dict) -> str:
     return "unlabelled" if manifest["num_classes"] is None else f"{manifest['num_classes']} classes"
 
@@ -166,6 +229,10 @@ def _summary(manifest: dict, dest: str) -> str:
     if manifest["rejects_by_reason"]:
         reasons = ", ".join(f"{k} {v}" for k, v in manifest["rejects_by_reason"].items())
         lines.append(f"rejected: {reasons} (details in rejects.jsonl)")
+    if manifest.get("rejects_by_host"):
+        lines.append("failures by host (most first):")
+        lines += [f"  {host:<40} {sum(reasons.values()):>8}  " + ", ".join(f"{k} {v}" for k, v in reasons.items())
+                  for host, reasons in manifest["rejects_by_host"].items()]
     if manifest["normalised"]:
         lines.append("normalised: " + ", ".join(f"{k} {v}" for k, v in manifest["normalised"].items()))
     return "\n".join(lines)

@@ -94,6 +94,18 @@ SIGNATURES = {"jpg": (b"\xff\xd8\xff",), "jpeg": (b"\xff\xd8\xff",), "png": (b"\
               "webp": (b"RIFF",)}
 
 
+# Formats recognised by their first bytes alone (what a downloaded body is, whatever its server says).
+SNIFFED = (("jpg", b"\xff\xd8\xff"), ("png", b"\x89PNG\r\n\x1a\n"), ("gif", b"GIF87a"), ("gif", b"GIF89a"),
+           ("bmp", b"BM"), ("tiff", b"II*\x00"), ("tiff", b"MM\x00*"))
+
+
+def sniff(data: bytes) -> str | None:
+    """The image format `data` starts like (an extension), or None for anything else (HTML, text)."""
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "webp"
+    return next((ext for ext, magic in SNIFFED if data.startswith(magic)), None)
+
+
 def _check_signature(data: bytes, ext: str) -> None:
     signatures = SIGNATURES.get(ext.lower().lstrip("."))
     if signatures is None:

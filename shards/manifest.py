@@ -81,6 +81,7 @@ def merge(store, plan: PlanHeader, command: str, threads: int = 16) -> dict:
         "class_counts": [class_counts.get(i, 0) for i in range(len(plan.classes))],
         "totals": totals,
         "rejects_by_reason": dict(sorted(Counter(r["reason"] for r in rejects).items())),
+        **_by_host(rejects),
         "normalised": dict(sorted(normalised.items())),
         # Samples per power-of-two band: key 65536 counts images of 64-128 KiB (0 when not validated).
         "histograms": {name: {str(k): v for k, v in sorted(c.items())} for name, c in histograms.items()},
@@ -93,6 +94,22 @@ def merge(store, plan: PlanHeader, command: str, threads: int = 16) -> dict:
          for d in duplicates]))
     store.put_bytes(MANIFEST_NAME, json.dumps(manifest, indent=1, sort_keys=True).encode() + b"\n")
     return manifest
+
+
+HOSTS_SHOWN = 20
+
+
+def _by_host(rejects: list[dict]) -> dict:
+    """A URL list's failures per host, the HOSTS_SHOWN hosts with the most (bounded, whatever the
+    list's length): {"rejects_by_host": {host: {reason: count}}}; nothing for other corpora."""
+    hosts: dict[str, Counter] = {}
+    for reject in rejects:
+        if reject.get("host"):
+            hosts.setdefault(reject["host"], Counter())[reject["reason"]] += 1
+    if not hosts:
+        return {}
+    top = sorted(hosts.items(), key=lambda kv: (-sum(kv[1].values()), kv[0]))[:HOSTS_SHOWN]
+    return {"rejects_by_host": {host: dict(sorted(reasons.items())) for host, reasons in top}}
 
 
 def labelled(parameters: dict) -> bool:

@@ -128,8 +128,10 @@ def cell(value) -> str:
 
 
 def from_manifest(path: str, classes: list[str] | None, path_column: str, label_column: str | None,
-                   root: str | None) -> Corpus:
-    """`label_column` None: an unlabelled corpus; every column but the path is kept as metadata.
+                   root: str | None, url_list: bool = False, meta_columns: tuple[str, ...] | None = None) -> Corpus:
+    """`label_column` None: an unlabelled corpus. Every column but the path and the label is kept as
+    metadata, or only `meta_columns` when given. `url_list`: the path column holds http(s) URLs to
+    download (a URL list: no root applies, a row with any other value is a `bad_url` reject).
     Two passes over the manifest: the first checks every row and collects the distinct labels (the
     class map must be known before the first record: ids come from all labels, sorted), the
     second makes the records. Per input nothing is kept but the distinct labels."""
@@ -145,7 +147,7 @@ def from_manifest(path: str, classes: list[str] | None, path_column: str, label_
             raise SourceError(f"{path}: manifest not found") from None
         if columns is None:
             raise SourceError(f"{path}: manifest has no rows")
-        for column in (path_column, label_column) if label_column else (path_column,):
+        for column in (path_column, *([label_column] if label_column else []), *(meta_columns or ())):
             if column not in columns:
                 raise SourceError(f"{path}: no column {column!r} (columns: {', '.join(map(str, columns))})")
     except BaseException:
@@ -162,24 +164,30 @@ def from_manifest(path: str, classes: list[str] | None, path_column: str, label_
             classes = [str(i) for i in range(top + 1)]
         else:
             classes = sorted({str(v) for v in labels})
-    return Corpus(_manifest_records(path, local, typed, classes, numeric, path_column, label_column, root),
-                  list(classes))
+    records = _manifest_records(path, local, typed, classes, numeric, path_column, label_column, root, url_list,
+                                meta_columns)
+    return Corpus(records, list(classes))
 
 
 def _manifest_records(path: str, local: str, typed: dict[str, str], classes: list[str], numeric: bool,
-                      path_column: str, label_column: str | None, root: str | None) -> Iterator[SourceRecord]:
+                      path_column: str, label_column: str | None, root: str | None, url_list: bool,
+                      meta_columns: tuple[str, ...] | None) -> Iterator[SourceRecord]:
     base = path.rsplit("/", 1)[0] if "/" in path else "."
-    inside = root_check(root or base)
+    inside = (lambda source: True) if url_list else root_check(root or base)
     ids = {name: i for i, name in enumerate(classes)}
+    kept = (lambda k: k in meta_columns) if meta_columns is not None else (lambda k: k not in (path_column,
+                                                                                              label_column))
     try:
         for n, row in enumerate(_manifest_rows(path, local, typed), 1):
             raw_path, raw_label = row.get(path_column), row.get(label_column)
-            source = _resolve(str(raw_path or ""), base)
-            meta = {k: _jsonable(v) for k, v in row.items() if k not in (path_column, label_column)}
+            source = str(raw_path or "").strip() if url_list else _resolve(str(raw_path or ""), base)
+            meta = {k: _jsonable(v) for k, v in row.items() if kept(k)}
             label = _label_id(raw_label, ids, numeric, len(classes)) if label_column else None
             record = SourceRecord(source, label, 0, meta, name=str(raw_path or ""))
             if not raw_path:
                 record.problem = ("missing_path", f"manifest row {n} has an empty {path_column!r}")
+            elif url_list and not source.lower().startswith(("http://", "https://")):
+                record.problem = ("bad_url", f"manifest row {n}: {display_path(source[:80])!r} is not an http(s) URL")
             elif not inside(source):
                 record.problem = ("outside_root", f"manifest row {n}: {display_path(str(raw_path))!r} resolves "
                                                   f"outside {display_path(root or base)!r} (widen with --root)")

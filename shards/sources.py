@@ -36,18 +36,24 @@ MANIFEST_SUFFIXES = (".csv", ".tsv", ".jsonl", ".json", ".parquet")
 
 def list_corpus(src: str, *, classes: list[str] | None = None, path_column: str = "path",
                 label_column: str = "label", root: str | None = None, labelled: bool = True,
-                follow_symlinks: bool = False, stat_threads: int = 32) -> Corpus:
+                follow_symlinks: bool = False, stat_threads: int = 32, url_list: bool = False,
+                meta_columns: tuple[str, ...] | None = None) -> Corpus:
     """`root`: for manifests, the folder (or URL prefix) every row must resolve inside; default the
     manifest's own folder, "/" for any local path. For a folder with `follow_symlinks`, the folder
     its followed links must lead into; default the folder itself. `labelled=False`: every image
     under a folder, at any depth, or every manifest row, without a label (for self-supervised
-    pre-training). A manifest that cannot be read as a whole fails here; a folder tree that
-    holds no images fails when its records run out."""
+    pre-training). `url_list`: `src` is a manifest whose path column holds http(s) URLs to download
+    (sizes stay 0: nothing is fetched while listing); `meta_columns`: the manifest columns kept in
+    each sample's JSON (default all but path and label). A manifest that cannot be read as a whole
+    fails here; a folder tree that holds no images fails when its records run out."""
     if src.startswith("file://"):
         src = src[len("file://"):]
     if src.rstrip("/").lower().endswith(MANIFEST_SUFFIXES):
-        corpus = from_manifest(src, classes, path_column, label_column if labelled else None, root)
-        return Corpus(_with_sizes(corpus.records, stat_threads), corpus.classes)
+        corpus = from_manifest(src, classes, path_column, label_column if labelled else None, root, url_list,
+                               meta_columns)
+        return corpus if url_list else Corpus(_with_sizes(corpus.records, stat_threads), corpus.classes)
+    if url_list:
+        raise SourceError(f"{src}: a URL list must be a .csv/.tsv/.jsonl/.parquet manifest")
     if is_url(src):
         files = remote_files(src, by_class=labelled)
     elif os.path.isdir(src):

@@ -25,7 +25,7 @@ def without_plan(tree: dict[str, bytes]) -> dict[str, bytes]:
 
 def dataset_samples(out: Path) -> list[dict]:
     """Every sample of a sharded dataset, read with tarfile: key, info (json), cls (None when it has
-    none), ext, image bytes."""
+    none), ext, image bytes, txt (a caption's bytes, None without one)."""
     manifest = json.loads((out / "dataset.json").read_text())
     samples = []
     for shard in manifest["shards"]:
@@ -39,7 +39,7 @@ def dataset_samples(out: Path) -> list[dict]:
             ext = next(e for e in ("jpg", "png", "webp") if e in sample)
             cls = int(sample["cls"]) if "cls" in sample else None
             samples.append({"key": key, "info": json.loads(sample["json"]), "cls": cls,
-                            "ext": ext, "image_bytes": sample[ext]})
+                            "ext": ext, "image_bytes": sample[ext], "txt": sample.get("txt")})
     return samples
 
 
