@@ -23,12 +23,14 @@ from dataclasses import asdict, dataclass, field
 
 from vitforge.core import PreconditionFailed, Progress, StorageError, UsageError, open_store, process_alive
 
-from .download import Downloader, DownloadOptions, Fetched
-from .images import ImageOptions, Rejected, normalise, sniff
+from .download import Downloader, DownloadOptions
+from .hf_parquet import EmbeddedImages, embedded_row
+from .images import ImageOptions
 from .manifest import HISTOGRAMS, RECORDS_DIR, ManifestError, labelled, merge, record_name, shard_name
 from .parallel import ordered_map
 from .plan import (HEADER_NAME, LEGACY_PLAN_NAME, PLAN_DIR, Inputs, PlanHeader, PlanItem, fingerprint, load_slice,
                    plan_inputs, read_header, write_plan)
+from .samples import to_sample
 from .sources import display_path, list_corpus, load_class_names, read_source
 from .tarfile_writer import TarShardWriter, index_path_for
 
@@ -63,6 +65,7 @@ class ShardJob:
     caption_column: str | None = None  # a URL list's caption: the sample's .txt member
     meta_columns: tuple[str, ...] | None = None  # the manifest columns kept in each sample's JSON (default all)
     download: DownloadOptions = field(default_factory=DownloadOptions)
+    image_column: str | None = None  # SRC is a datasets Parquet file with its images in this column
 
     def __post_init__(self):
         if not self.prefix or any(c in self.prefix for c in "./ "):
@@ -77,8 +80,12 @@ class ShardJob:
             raise UsageError(f"--workers must be >= 1, not {self.workers}")
         if not self.plan_wait_s > 0:
             raise UsageError(f"--plan-wait must be > 0 seconds, not {self.plan_wait_s}")
-        if (self.caption_column or self.meta_columns is not None) and not self.url_column:
-            raise UsageError("--caption-col and --meta-col describe a URL list: give --url-col too")
+        if self.caption_column and not self.url_column:
+            raise UsageError("--caption-col describes a URL list: give --url-col too")
+        if self.meta_columns is not None and not (self.url_column or self.image_column):
+            raise UsageError("--meta-col needs --url-col or --image-col")
+        if self.url_column and self.image_column:
+            raise UsageError("--url-col and --image-col contradict each other: a file holds URLs or images")
 
     def output_parameters(self) -> dict:
         """Everything that shapes the output bytes, and nothing else (not workers, not part)."""
@@ -90,6 +97,9 @@ class ShardJob:
             # Only when set, so datasets sharded before the option existed keep their fingerprint.
             **({"follow_symlinks": True} if self.follow_symlinks else {}),
             **(self._url_parameters() if self.url_column else {}),
+            **({"image_column": self.image_column,
+                "meta_columns": list(self.meta_columns) if self.meta_columns is not None else None}
+               if self.image_column else {}),
         }
 
     def _url_parameters(self) -> dict:
@@ -124,7 +134,13 @@ def command_line(parameters: dict) -> str:
     args += [] if image["validate"] else ["--no-validate"]
     args += ["--dedup"] if parameters["dedup"] else []
     args += ["--classes", parameters["classes_file"]] if parameters["classes_file"] else []
-    args += _url_args(parameters) if parameters.get("url_column") else ["--path-column", parameters["path_column"]]
+    if parameters.get("url_column"):
+        args += _url_args(parameters)
+    elif parameters.get("image_column"):
+        args += ["--image-col", parameters["image_column"]]
+        args += [a for column in parameters["meta_columns"] or () for a in ("--meta-col", column)]
+    else:
+        args += ["--path-column", parameters["path_column"]]
     args += ["--label-column", parameters["label_column"]] if labelled(parameters) else ["--no-labels"]
     args += ["--root", parameters["root"]] if parameters.get("root") else []
     args += ["--follow-symlinks"] if parameters.get("follow_symlinks") else []
@@ -239,7 +255,7 @@ def _make_plan(job: ShardJob, store) -> PlanHeader:
     corpus = list_corpus(job.src, classes=classes, path_column=job.url_column or job.path_column,
                          label_column=job.label_column, root=job.root, labelled=job.labels,
                          follow_symlinks=job.follow_symlinks, url_list=bool(job.url_column),
-                         meta_columns=job.meta_columns)
+                         meta_columns=job.meta_columns, image_column=job.image_column)
     inputs = Inputs.of(corpus.records, job.seed)  # records stream into the columns, none is kept
     # A URL list is deduplicated by URL before anything is downloaded; its images' contents are
     # known only once fetched.
@@ -298,11 +314,18 @@ def _build_shards(job: ShardJob, shards: list[list[PlanItem]], classes: tuple[st
                   names: list[str]) -> None:
     items = [item for shard in shards for item in shard]
     progress = Progress(len(items), "shard")
-    process = functools.partial(_process_item, opts=job.image, classes=classes, caption=job.caption_column)
+    process = functools.partial(to_sample, opts=job.image, classes=classes, caption=job.caption_column,
+                                src=job.src)
     downloader = Downloader(job.download) if job.url_column else None
+    embedded = EmbeddedImages(job.src, job.image_column) if job.image_column else None
     if downloader is not None:
         fetched = downloader.fetch_ordered(None if item.problem else item.source for item in items)
         inputs = zip(items, fetched)
+    elif embedded is not None:
+        # Read here, in plan order (a window of row groups at a time), not in the workers: each would
+        # read whole row groups for the few rows it gets.
+        inputs = ((item, None if embedded_row(item.source) is None else embedded.read(embedded_row(item.source)))
+                  for item in items)
     else:
         inputs = ((item, None) for item in items)
     # Packing without validation is file reads and hashing, which threads overlap well.
@@ -324,6 +347,8 @@ def _build_shards(job: ShardJob, shards: list[list[PlanItem]], classes: tuple[st
         progress.close()
         if downloader is not None:
             downloader.close()
+        if embedded is not None:
+            embedded.close()
 
 
 @dataclass
@@ -387,54 +412,3 @@ def _removed_on_error(path: str):
 def power_of_two_band(value: int) -> int:
     """The histogram band of a value: the largest power of two not above it (0 for 0)."""
     return 1 << (value.bit_length() - 1) if value > 0 else 0
-
-
-def _process_item(pair: tuple[PlanItem, Fetched | None], *, opts: ImageOptions, classes: tuple[str, ...],
-                  caption: str | None) -> dict:
-    """Runs in a worker: read (or take the download of), validate and normalise one input into a
-    sample (or a reject)."""
-    item, fetched = pair
-    shown = display_path(item.source)
-    if item.problem:
-        return {"reject": {"key": item.key, "source": shown, "reason": item.problem[0], "detail": item.problem[1]}}
-    if fetched is not None and fetched.data is None:
-        return {"reject": {"key": item.key, "source": shown, "reason": fetched.reason, "detail": fetched.detail,
-                           "status": fetched.status, "retryable": fetched.retryable, "host": fetched.host}}
-    try:
-        if fetched is not None:
-            data = fetched.data
-            ext_hint = sniff(data)  # a URL's name and Content-Type are hints a server can get wrong
-            if ext_hint is None:
-                raise Rejected("not_an_image", f"served as {fetched.content_type or 'no type'}, "
-                                               f"starts with {data[:16]!r}")
-        else:
-            data = read_source(item.source)
-            ext_hint = os.path.splitext(item.source)[1].lower().lstrip(".").replace("jpeg", "jpg") or "jpg"
-        encoded = normalise(data, ext_hint, opts)
-    except Rejected as e:
-        downloaded = {} if fetched is None else {"status": fetched.status, "host": fetched.host}
-        return {"reject": {"key": item.key, "source": shown, "reason": e.reason, "detail": e.detail, **downloaded}}
-    except StorageError:
-        raise  # the store itself failed (its deadline passed): no image is to blame
-    except OSError as e:
-        detail = f"{type(e).__name__}: {e.strerror or e}"
-        return {"reject": {"key": item.key, "source": shown, "reason": "unreadable", "detail": detail}}
-    info = {"source": shown, "sha256": hashlib.sha256(data).hexdigest(), "source_bytes": len(data)}
-    if fetched is not None:
-        info.update(url=fetched.url, final_url=fetched.final_url, status=fetched.status)
-    if item.label is not None:
-        info.update({"label": item.label, "class": classes[item.label]})
-    if opts.validate:
-        info.update(width=encoded.width, height=encoded.height,
-                    source_width=encoded.source_width, source_height=encoded.source_height)
-    if encoded.changes:
-        info["normalised"] = list(encoded.changes)
-    if item.meta:
-        info["meta"] = item.meta
-    label = {} if item.label is None else {"cls": str(item.label).encode()}
-    text = item.meta.get(caption) if caption else None
-    label.update({"txt": str(text).encode()} if text is not None else {})
-    sample = {"__key__": item.key, encoded.ext: encoded.data, **label,
-              "json": json.dumps(info, sort_keys=True).encode()}
-    return {"sample": sample, "label": item.label, "changes": encoded.changes, "bytes": len(data),
-            "image_bytes": len(encoded.data), "short_side": min(encoded.width, encoded.height)}

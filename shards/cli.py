@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     labels.add_argument("--path-column", default="path", help="manifest column with the image path (default path)")
     labels.add_argument("--label-column", "--label-col", default="label",
                         help="manifest column with the label (default label)")
+    labels.add_argument("--image-col", dest="image_column", default=None,
+                        help="SRC is a Parquet file in the Hugging Face datasets layout: this column holds "
+                             "struct<bytes, path> images (class names from its ClassLabel metadata)")
     labels.add_argument("--root", default=None,
                         help="manifest paths must resolve inside this folder or URL prefix (default: the manifest's "
                              "own folder; --root / allows any local path); rows outside it are rejected")
@@ -191,7 +194,7 @@ def _shard(args: argparse.Namespace) -> int:
     job = ShardJob(
         src=args.src, dest=args.dest, prefix=args.prefix, seed=args.seed, shard_bytes=args.shard_bytes or None,
         shard_samples=shard_samples, url_column=args.url_column, caption_column=args.caption_column,
-        meta_columns=_kept_columns(args), download=download,
+        meta_columns=_kept_columns(args), download=download, image_column=args.image_column,
         image=ImageOptions(format=args.format, quality=args.quality, max_side=args.max_side,
                            min_side=args.min_side, max_pixels=args.max_pixels, validate=args.validate),
         dedup=args.dedup, classes_file=args.classes_file, path_column=args.path_column,

@@ -88,7 +88,7 @@ def _manifest_summary(path: str, local: str, typed: dict[str, str],
     return first, labels
 
 
-def _local_manifest(path: str) -> str:
+def local_copy(path: str) -> str:
     """A local manifest's own path; a remote one is downloaded (by its store, which retries) to a
     temporary file that the caller deletes, so both passes stream from disk."""
     if not is_url(path):
@@ -137,7 +137,7 @@ def from_manifest(path: str, classes: list[str] | None, path_column: str, label_
     second makes the records. Per input nothing is kept but the distinct labels."""
     typed = {path_column: "path", **({label_column: "label"} if label_column else {})}
     try:
-        local = _local_manifest(path)
+        local = local_copy(path)
     except FileNotFoundError:
         raise SourceError(f"{path}: manifest not found") from None
     try:
@@ -151,7 +151,7 @@ def from_manifest(path: str, classes: list[str] | None, path_column: str, label_
             if column not in columns:
                 raise SourceError(f"{path}: no column {column!r} (columns: {', '.join(map(str, columns))})")
     except BaseException:
-        _discard_copy(path, local)
+        discard_copy(path, local)
         raise
     labels.discard(None)
     labels.discard("")
@@ -180,9 +180,9 @@ def _manifest_records(path: str, local: str, typed: dict[str, str], classes: lis
     try:
         for n, row in enumerate(_manifest_rows(path, local, typed), 1):
             raw_path, raw_label = row.get(path_column), row.get(label_column)
-            source = str(raw_path or "").strip() if url_list else _resolve(str(raw_path or ""), base)
-            meta = {k: _jsonable(v) for k, v in row.items() if kept(k)}
-            label = _label_id(raw_label, ids, numeric, len(classes)) if label_column else None
+            source = str(raw_path or "").strip() if url_list else resolve_path(str(raw_path or ""), base)
+            meta = {k: jsonable(v) for k, v in row.items() if kept(k)}
+            label = label_id(raw_label, ids, numeric, len(classes)) if label_column else None
             record = SourceRecord(source, label, 0, meta, name=str(raw_path or ""))
             if not raw_path:
                 record.problem = ("missing_path", f"manifest row {n} has an empty {path_column!r}")
@@ -195,10 +195,10 @@ def _manifest_records(path: str, local: str, typed: dict[str, str], classes: lis
                 record.problem = ("label_unknown", f"manifest row {n}: label {raw_label!r} is not in the class map")
             yield record
     finally:
-        _discard_copy(path, local)
+        discard_copy(path, local)
 
 
-def _discard_copy(path: str, local: str) -> None:
+def discard_copy(path: str, local: str) -> None:
     if local != path:
         os.unlink(local)
 
@@ -233,7 +233,7 @@ def _normalise_url(url: str) -> str:
     return f"{scheme}://{posixpath.normpath(rest)}"
 
 
-def _label_id(raw, ids: dict[str, int], numeric: bool, num_classes: int) -> int | None:
+def label_id(raw, ids: dict[str, int], numeric: bool, num_classes: int) -> int | None:
     if raw in (None, ""):
         return None
     if numeric:
@@ -254,7 +254,7 @@ def as_int(value) -> int | None:
     return None
 
 
-def _resolve(path: str, base: str) -> str:
+def resolve_path(path: str, base: str) -> str:
     """A row's path as a source: a URL with its `..` resolved (an object store would keep them in
     the name, and store URLs refuse them), a local path joined to the manifest's folder."""
     if is_url(path):
@@ -266,11 +266,11 @@ def _resolve(path: str, base: str) -> str:
     return _normalise_url(posixpath.join(base, path)) if is_url(base) else os.path.join(base, path)
 
 
-def _jsonable(value):
+def jsonable(value):
     if value is None or isinstance(value, (str, int, float, bool)):
         return value
     if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
+        return [jsonable(v) for v in value]
     if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
+        return {str(k): jsonable(v) for k, v in value.items()}
     return str(value)

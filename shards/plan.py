@@ -79,7 +79,10 @@ class Inputs:
     def add(self, record: SourceRecord) -> None:
         if record.problem:
             self.problems[len(self.labels)] = tuple(record.problem)
-        self._keys += _shuffle_key(self._seed, record.name)
+        if record.group:  # sorted by group first, then by name within it
+            self._keys += _shuffle_key(self._seed, record.group)[:8] + _shuffle_key(self._seed, record.name)[:8]
+        else:
+            self._keys += _shuffle_key(self._seed, record.name)
         # surrogatepass: any Python string round-trips, surrogate-escaped file names included.
         self._sources += record.source.encode("utf-8", "surrogatepass")
         self._source_ends.append(len(self._sources))

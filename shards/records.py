@@ -21,6 +21,9 @@ class SourceRecord:
     meta: dict = field(default_factory=dict)
     problem: tuple[str, str] | None = None  # (reason, detail) when the row can never be packed
     name: str = ""  # the source as the corpus names it (path under SRC, or the manifest's path cell)
+    # Records sharing a group are shuffled among themselves and kept together, the groups shuffled
+    # as wholes: a Parquet file's embedded images are read a window of row groups at a time.
+    group: str = ""
 
     def __post_init__(self):
         self.name = self.name or self.source

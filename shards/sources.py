@@ -22,6 +22,7 @@ from vitforge.core import StorageError, object_store
 from vitforge.core import is_remote as is_url
 
 from .folders import from_class_folders, from_folder, local_files, remote_files
+from .hf_parquet import from_hf_parquet
 from .manifests import as_int, cell, from_manifest
 from .parallel import ordered_map
 from .records import Corpus, SourceError, SourceRecord, display_path
@@ -37,17 +38,22 @@ MANIFEST_SUFFIXES = (".csv", ".tsv", ".jsonl", ".json", ".parquet")
 def list_corpus(src: str, *, classes: list[str] | None = None, path_column: str = "path",
                 label_column: str = "label", root: str | None = None, labelled: bool = True,
                 follow_symlinks: bool = False, stat_threads: int = 32, url_list: bool = False,
-                meta_columns: tuple[str, ...] | None = None) -> Corpus:
+                meta_columns: tuple[str, ...] | None = None, image_column: str | None = None) -> Corpus:
     """`root`: for manifests, the folder (or URL prefix) every row must resolve inside; default the
     manifest's own folder, "/" for any local path. For a folder with `follow_symlinks`, the folder
     its followed links must lead into; default the folder itself. `labelled=False`: every image
     under a folder, at any depth, or every manifest row, without a label (for self-supervised
     pre-training). `url_list`: `src` is a manifest whose path column holds http(s) URLs to download
     (sizes stay 0: nothing is fetched while listing); `meta_columns`: the manifest columns kept in
-    each sample's JSON (default all but path and label). A manifest that cannot be read as a whole
+    each sample's JSON (default all but path and label). `image_column`: `src` is a Parquet file
+    in the Hugging Face `datasets` layout with its images in this column. A manifest that cannot be read as a whole
     fails here; a folder tree that holds no images fails when its records run out."""
     if src.startswith("file://"):
         src = src[len("file://"):]
+    if image_column:
+        if not src.lower().endswith(".parquet"):
+            raise SourceError(f"{src}: --image-col reads a Parquet file (the datasets Image layout)")
+        return from_hf_parquet(src, classes, image_column, label_column if labelled else None, root, meta_columns)
     if src.rstrip("/").lower().endswith(MANIFEST_SUFFIXES):
         corpus = from_manifest(src, classes, path_column, label_column if labelled else None, root, url_list,
                                meta_columns)

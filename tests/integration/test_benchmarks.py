@@ -43,6 +43,8 @@ SMOKES = {  # benchmark: (its smallest arguments, the starts of the goal lines i
                         "W&B offline overhead", "profiler window, steps outside it overhead"]),
     "store_bench": (["--mb", "1", "--repeats", "1"], []),
     "weights_bench": (["--mb", "1", "--ranks", "2"], []),
+    # img2dataset's side needs its own venv (PyPI, ~30 s): the smoke runs vitforge's side alone.
+    "url_bench": (["--rows", "20", "--repeat", "1", "--skip-competitor", "--work", WORK], []),
 }
 # What the benchmarks without goals of their own print instead, and the end-to-end part of the
 # few-shot benchmark (no goal line, but the evaluator's path): a pattern per line.
@@ -51,6 +53,8 @@ LINES = {
                       r"eval_knn_corpus$"],
     "store_bench": [rf"{backend}: 1 MB {way} +ours +[\d.]+ MB/s +sdk +[\d.]+ MB/s +ratio [\d.]+$"
                     for backend in ("local", "s3", "gcs", "azure") for way in ("upload", "download")],
+    "url_bench": [r"round 1 vitforge +[\d.]+ s +\d+ images/s +[\d.]+ CPU-ms per image +20 of 20 images",
+                  r"success: vitforge 20 of 20$"],
     "weights_bench": [rf"1 MB, 2 ranks, {path} *: [\d.]+ s, peak above what a rank held \(rank 0, others\) "
                       r"\d+ / \d+ MB$" for path in ("all_gather_object", "broadcast_object", "tensor_by_tensor")],
 }
