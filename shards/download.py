@@ -187,8 +187,7 @@ class Downloader:
                             or time.monotonic() + wait >= deadline):
                         return result
                 except TimeoutError:
-                    result.reason = "timeout"
-                    result.detail = f"no complete answer within the {o.deadline:g} s deadline"
+                    result.reason, result.detail = "timeout", _timed_out(o)
                     return result
                 await asyncio.sleep(wait)
         return result
@@ -233,7 +232,7 @@ class Downloader:
             async with asyncio.timeout(o.first_byte_timeout):
                 response = await self._session.get(url, allow_redirects=False)
         except TimeoutError:
-            raise _Failure("timeout", f"no response headers within {o.first_byte_timeout:g} s") from None
+            raise _Failure("timeout", _timed_out(o)) from None
         except ForbiddenAddress as e:
             raise _Failure("forbidden_address", str(e)) from None
         except aiohttp.InvalidURL as e:
@@ -253,7 +252,7 @@ class Downloader:
                         raise _Failure("too_large", f"body over {o.max_bytes} bytes", 200)
                     chunks.append(chunk)
             except TimeoutError:
-                raise _Failure("timeout", f"body stalled for {o.first_byte_timeout:g} s", 200) from None
+                raise _Failure("timeout", _timed_out(o), 200) from None
             except aiohttp.ClientPayloadError as e:
                 raise _Failure("truncated", f"body cut short ({_describe(e)})", 200) from None
             except (aiohttp.ClientError, OSError) as e:
@@ -310,6 +309,13 @@ def _checked_url(url: str, allowed: tuple[Network, ...]):
     except ForbiddenAddress as e:
         raise _Failure("forbidden_address", str(e)) from None
     return parts
+
+
+def _timed_out(o: DownloadOptions) -> str:
+    """One detail for every timeout: which limit fires first is a matter of timing, and the
+    rejects a list gives must not depend on timing."""
+    return (f"no complete answer within the limits (connect {o.connect_timeout:g} s, first byte and between reads "
+            f"{o.first_byte_timeout:g} s, whole request {o.deadline:g} s)")
 
 
 def _retry_after(value: str | None) -> float | None:

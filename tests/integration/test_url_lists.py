@@ -16,12 +16,14 @@ import time
 import urllib.parse
 
 import pytest
+import yaml
 from aiohttp.abc import AbstractResolver
 from PIL import Image
 
 from common import socket_guard
-from common.checks import dataset_samples, tree_bytes
+from common.checks import dataset_samples, tree_bytes, without_plan
 from common.cli import REPO, vitforge
+from vitforge.cluster import slurm as slurm_commands
 from vitforge.shards import Downloader, DownloadOptions
 from vitforge.testing.local_images import start_image_server
 
@@ -200,3 +202,25 @@ def test_no_url_and_no_redirect_reaches_a_refused_address_and_no_packet_is_sent_
     assert outcomes[-1].data == server.images["g0.jpg"] and outcomes[-1].status == 200
     assert own.reason == "forbidden_address" and "127.0.0.1 is loopback" in own.detail
     assert connects and set(connects) == {"127.0.0.1"}  # the only address any socket connected to
+
+
+def test_a_sharding_array_on_slurm_downloads_a_url_list_to_what_one_run_makes(server, slurm, monkeypatch, tmp_path):
+    for key, value in slurm.items():
+        monkeypatch.setenv(key, value)
+    listing = tmp_path / "urls.jsonl"
+    _url_list(server, listing)
+    vitforge("shard", listing, tmp_path / "one", *OPTIONS)
+    spec = tmp_path / "shard.yaml"
+    spec.write_text(yaml.safe_dump({
+        "name": "url-array", "gpus_per_node": 0, "cpus_per_task": 1, "time": "00:10:00",
+        "log_dir": str(tmp_path / "logs"), "venv": str(REPO / ".venv"),
+        "shard": {"src": str(listing), "dest": str(tmp_path / "array"), "num_parts": 3, "args": OPTIONS}}))
+    array, merge = (line.split(" ")[3].rstrip(":") for line in vitforge("submit", spec).stdout.splitlines())
+    deadline = time.monotonic() + 300
+    while slurm_commands.job_info(merge)["JobState"] not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
+        assert time.monotonic() < deadline, slurm_commands.job_info(merge)
+        time.sleep(0.5)
+    logs = {p.name: p.read_text() for p in (tmp_path / "logs").glob("*.out")}
+    assert slurm_commands.job_info(merge)["JobState"] == "COMPLETED", logs
+    assert sum("part " in text and " of 3: built " in text for text in logs.values()) == 3, logs
+    assert without_plan(tree_bytes(tmp_path / "array")) == without_plan(tree_bytes(tmp_path / "one"))
