@@ -15,7 +15,7 @@ from .scheduler import SCHEDULERS, Scheduler, SchedulerEnv, first_host, schedule
 from .store import (ENTRY_POINT_GROUP, LocalWriteError, ObjectInfo, Store, is_remote, local_write_error,  # noqa: E402
                     object_store, open_store, process_alive, read_only, read_only_error, register_store,
                     store_schemes)
-from .urls import check_no_userinfo, check_store_url, masked  # noqa: E402
+from .urls import check_no_userinfo, check_store_url, masked, without_userinfo  # noqa: E402
 
 __all__ = [
     "CheckpointError", "DivergedError", "ENTRY_POINT_GROUP", "LocalWriteError", "ObjectInfo", "PARTIAL_MARK",
@@ -23,6 +23,7 @@ __all__ = [
     "__version__", "atomic_path", "atomic_write", "check_no_userinfo", "check_store_url",
     "die_with_parent", "free_port", "is_remote",
     "local_write_error", "masked", "object_store", "open_store", "process_alive", "process_rank", "record_exit_code",
+    "without_userinfo",
     "read_only", "read_only_error", "register_store",
     "setup_logging", "sha256_file", "store_schemes", "with_retries",
     # where this process sits in its job

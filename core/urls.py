@@ -28,6 +28,12 @@ def masked(text: str) -> str:
     return _QUERY.sub(rf"\1?{MASK}", _USERINFO.sub(rf"\1{MASK}@", text))
 
 
+def without_userinfo(text: str) -> str:
+    """`text` with every URL's `user:password@` replaced by ***@, its query kept: for a URL list's
+    image URLs, whose queries are part of what they name."""
+    return _USERINFO.sub(rf"\1{MASK}@", text)
+
+
 def check_store_url(url: str) -> None:
     """Refuse (UsageError, the URL shown masked) an object-store URL with a query, a fragment, a
     password, or a `.`/`..` path segment. `container@account.host` (Azure's abfs form) is a host,

@@ -14,7 +14,7 @@ import posixpath
 import tempfile
 from typing import Iterator
 
-from vitforge.core import object_store
+from vitforge.core import object_store, without_userinfo
 from vitforge.core import is_remote as is_url
 
 from .records import Corpus, SourceError, SourceRecord, display_path
@@ -181,11 +181,16 @@ def _manifest_records(path: str, local: str, typed: dict[str, str], classes: lis
         for n, row in enumerate(_manifest_rows(path, local, typed), 1):
             raw_path, raw_label = row.get(path_column), row.get(label_column)
             source = str(raw_path or "").strip() if url_list else resolve_path(str(raw_path or ""), base)
+            hidden = without_userinfo(source) if url_list else source
             meta = {k: jsonable(v) for k, v in row.items() if kept(k)}
             label = label_id(raw_label, ids, numeric, len(classes)) if label_column else None
             record = SourceRecord(source, label, 0, meta, name=str(raw_path or ""))
             if not raw_path:
                 record.problem = ("missing_path", f"manifest row {n} has an empty {path_column!r}")
+            elif url_list and hidden != source:  # kept nowhere: not in the plan, the rejects or a log
+                record.source = hidden
+                record.problem = ("bad_url", f"manifest row {n}: a URL with user:password@ is not downloaded "
+                                             "(credentials never come from a URL)")
             elif url_list and not source.lower().startswith(("http://", "https://")):
                 record.problem = ("bad_url", f"manifest row {n}: {display_path(source[:80])!r} is not an http(s) URL")
             elif not inside(source):

@@ -27,6 +27,7 @@ from vitforge.cluster import slurm as slurm_commands
 from vitforge.shards import Downloader, DownloadOptions
 from vitforge.testing.local_images import start_image_server
 
+PLANTED = "PLANTED-secret-9f2c"  # a password in a URL list: never downloaded with, never written or printed
 GOOD = 24  # plain images served at /img/ and /slow/
 # route -> (what vitforge records for it, how many requests it may take)
 ROUTES = {
@@ -83,6 +84,8 @@ def _url_list(server, path, good_route="img") -> list[dict]:
              for n, route in enumerate(ROUTES)]
     rows.append({"url": "ftp://example.invalid/a.jpg", "label": "c1", "caption": "ftp", "source_id": 999,
                  "ignored": "x"})
+    rows.append({"url": f"http://alice:{PLANTED}@{server.url.removeprefix('http://')}/img/g0.jpg", "label": "c1",
+                 "caption": "userinfo", "source_id": 998, "ignored": "x"})
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return rows
 
@@ -103,6 +106,9 @@ def test_a_misbehaving_server_is_accounted_for_exactly_and_any_concurrency_gives
     expected = {route: outcome for route, (outcome, _) in ROUTES.items() if outcome != "packed"}
     assert {route: rejects[route]["reason"] for route in expected} == expected
     assert rejects["ftp://example.invalid/a.jpg"]["reason"] == "bad_url"
+    assert rejects[f"http://***@{server.url.removeprefix('http://')}/img/g0.jpg"]["reason"] == "bad_url"
+    assert not any(PLANTED.encode() in data for data in tree_bytes(tmp_path / "a").values())
+    assert PLANTED not in result.stdout + result.stderr
     assert {route for route, r in rejects.items() if r.get("retryable")} == {"stalled/p3.jpg", "trickle/p4.jpg",
                                                                               "cut/p5.jpg"}
     assert "169.254.169.254 is link-local" in rejects[list(ROUTES)[-1]]["detail"]
