@@ -32,6 +32,7 @@ from typing import Iterable, Iterator
 from urllib.parse import urljoin, urlsplit
 
 import aiohttp
+from yarl import URL
 
 from vitforge.core import UsageError
 
@@ -170,7 +171,11 @@ class Downloader:
     async def fetch(self, url: str) -> Fetched:
         """Never raises (but for cancellation): every outcome is a Fetched."""
         o = self.options
-        result = Fetched(url, host=urlsplit(url).hostname or "")
+        try:
+            host = urlsplit(url).hostname or ""
+        except ValueError:
+            host = ""
+        result = Fetched(url, host=host)
         async with self._limit:
             deadline = time.monotonic() + o.deadline
             for attempt in range(o.retries + 1):
@@ -188,6 +193,9 @@ class Downloader:
                         return result
                 except TimeoutError:
                     result.reason, result.detail = "timeout", _timed_out(o)
+                    return result
+                except (ValueError, UnicodeError) as e:  # a malformed URL or redirect target
+                    result.reason, result.detail = "bad_url", f"not a URL ({type(e).__name__})"
                     return result
                 await asyncio.sleep(wait)
         return result
@@ -305,7 +313,12 @@ def _checked_url(url: str, allowed: tuple[Network, ...]):
     if parts.username or parts.password:
         raise _Failure("bad_url", "URLs with user:password@ are not downloaded (credentials never come from a URL)")
     try:
+        host = URL(url).raw_host or ""  # the host aiohttp connects to: IDNA may turn a name into an address
+    except (ValueError, UnicodeError) as e:
+        raise _Failure("bad_url", f"not a URL ({type(e).__name__})") from None
+    try:
         check_literal(parts.hostname, allowed)
+        check_literal(host, allowed)
     except ForbiddenAddress as e:
         raise _Failure("forbidden_address", str(e)) from None
     return parts

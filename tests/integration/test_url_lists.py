@@ -202,11 +202,13 @@ def test_no_url_and_no_redirect_reaches_a_refused_address_and_no_packet_is_sent_
         with Downloader(DownloadOptions(retries=0, allow_networks=allowed), StubResolver(names)) as downloader:
             outcomes = list(downloader.fetch_ordered([*refused, f"http://images.test:{port}/img/g0.jpg"]))
         with Downloader(DownloadOptions(retries=0), StubResolver(names)) as strict:
-            (own,) = strict.fetch_ordered([f"http://images.test:{port}/img/g1.jpg"])
+            own, idna, broken = strict.fetch_ordered([f"http://images.test:{port}/img/g1.jpg",
+                                                      f"http://①②⑦.0.0.1:{port}/img/g1.jpg", "http://[::1"])
     assert [o.reason for o in outcomes[:-1]] == ["forbidden_address"] * len(refused), outcomes
     assert "169.254.169.254 is link-local" in outcomes[0].detail and "10.0.0.1 is private" in outcomes[2].detail
     assert outcomes[-1].data == server.images["g0.jpg"] and outcomes[-1].status == 200
     assert own.reason == "forbidden_address" and "127.0.0.1 is loopback" in own.detail
+    assert idna.reason == "forbidden_address" and broken.reason == "bad_url"  # IDNA makes the first 127.0.0.1
     assert connects and set(connects) == {"127.0.0.1"}  # the only address any socket connected to
 
 
