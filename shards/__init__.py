@@ -9,7 +9,8 @@ from .tarfile_writer import SAMPLE_IMAGE_EXTS, TarShardWriter, index_path_for, i
 from .verify import info, verify  # noqa: E402
 
 __all__ = [
-    "Downloader", "DownloadOptions", "Fetched", "ImageOptions", "MANIFEST_NAME", "SAMPLE_IMAGE_EXTS", "ManifestError", "PartResult", "Rejected", "ShardJob",
+    "Downloader", "DownloadOptions", "Fetched", "ImageOptions", "MANIFEST_NAME", "SAMPLE_IMAGE_EXTS", "ManifestError",
+    "PartResult", "Rejected", "ShardJob",
     "SourceError", "ensure_plan",
     "TarShardWriter", "index_path_for", "index_tar", "info", "merge_parts", "normalise", "read_manifest", "run",
     "verify",

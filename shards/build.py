@@ -97,9 +97,9 @@ class ShardJob:
             # Only when set, so datasets sharded before the option existed keep their fingerprint.
             **({"follow_symlinks": True} if self.follow_symlinks else {}),
             **(self._url_parameters() if self.url_column else {}),
-            **({"image_column": self.image_column,
-                "meta_columns": list(self.meta_columns) if self.meta_columns is not None else None}
-               if self.image_column else {}),
+            **({"image_column": self.image_column} if self.image_column else {}),
+            **({"meta_columns": list(self.meta_columns) if self.meta_columns is not None else None}
+               if self.url_column or self.image_column else {}),
         }
 
     def _url_parameters(self) -> dict:
@@ -107,7 +107,6 @@ class ShardJob:
         those change how fast, and which rows fail transiently, not what a success holds)."""
         d = self.download
         return {"url_column": self.url_column, "caption_column": self.caption_column,
-                "meta_columns": list(self.meta_columns) if self.meta_columns is not None else None,
                 "download": {"max_bytes": d.max_bytes, "max_redirects": d.max_redirects,
                              "ignore_opt_outs": sorted(d.ignore_opt_outs),
                              "allow_networks": [str(n) for n in d.allow_networks], "user_agent": d.user_agent}}
@@ -138,9 +137,9 @@ def command_line(parameters: dict) -> str:
         args += _url_args(parameters)
     elif parameters.get("image_column"):
         args += ["--image-col", parameters["image_column"]]
-        args += [a for column in parameters["meta_columns"] or () for a in ("--meta-col", column)]
     else:
         args += ["--path-column", parameters["path_column"]]
+    args += [a for column in parameters.get("meta_columns") or () for a in ("--meta-col", column)]
     args += ["--label-column", parameters["label_column"]] if labelled(parameters) else ["--no-labels"]
     args += ["--root", parameters["root"]] if parameters.get("root") else []
     args += ["--follow-symlinks"] if parameters.get("follow_symlinks") else []
@@ -151,7 +150,6 @@ def _url_args(parameters: dict) -> list[str]:
     download = parameters["download"]
     args = ["--url-col", parameters["url_column"]]
     args += ["--caption-col", parameters["caption_column"]] if parameters["caption_column"] else []
-    args += [a for column in parameters["meta_columns"] or () for a in ("--meta-col", column)]
     args += ["--max-body", str(download["max_bytes"]), "--max-redirects", str(download["max_redirects"]),
              "--user-agent", download["user_agent"]]
     args += [a for name in download["ignore_opt_outs"] for a in ("--ignore-opt-out", name)]

@@ -41,9 +41,9 @@ from .url_guard import ForbiddenAddress, GuardedResolver, Network, check_literal
 
 USER_AGENT = "vitforge/1 (+https://github.com/vitforge/vitforge; image dataset builder; honours robots.txt and noai)"
 USER_AGENT_TOKEN = "vitforge"  # what robots.txt groups and X-Robots-Tag prefixes address
-RETRIED_STATUSES = frozenset({408, 429, 500, 502, 503, 504}) | frozenset(range(505, 600))
 REDIRECTS = frozenset({301, 302, 303, 307, 308})
-# Reasons --retry-failed retries: the server or the network may answer differently next time.
+# Reasons retried within a run, and marked `retryable` in rejects.jsonl: the server or the network
+# may answer differently next time.
 RETRYABLE = frozenset({"timeout", "connection_error", "truncated", "robots_txt_unavailable", "http_408",
                        "http_429"} | {f"http_{s}" for s in range(500, 600)})
 
@@ -214,7 +214,7 @@ class Downloader:
                 if refused:
                     raise _Failure(*refused)
             await self._wait_turn(origin)
-            status, headers, body = await self._get(url, hop)
+            status, headers, body = await self._get(url)
             result.final_url, result.status = url, status
             if status in REDIRECTS and "Location" in headers:
                 url = urljoin(url, headers["Location"])
@@ -233,7 +233,7 @@ class Downloader:
             return
         raise _Failure("too_many_redirects", f"more than {o.max_redirects} redirects", result.status)
 
-    async def _get(self, url: str, hop: int) -> tuple[int, "aiohttp.typedefs.LooseHeaders", bytes | None]:
+    async def _get(self, url: str) -> tuple[int, "aiohttp.typedefs.LooseHeaders", bytes | None]:
         """One GET without following redirects: (status, headers, body); the body only for a 200."""
         o = self.options
         try:

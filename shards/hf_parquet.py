@@ -17,6 +17,7 @@ images, or one row group if that is larger).
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 from collections import OrderedDict
@@ -94,8 +95,8 @@ def _check_image_column(path: str, schema, column: str) -> None:
     kind = schema.field(column).type
     fields = {kind.field(i).name: kind.field(i).type for i in range(kind.num_fields)} if pa.types.is_struct(kind) \
         else {}
-    if not (pa.types.is_binary(fields.get("bytes", pa.null())) or pa.types.is_large_binary(fields.get("bytes",
-                                                                                                   pa.null()))):
+    data = fields.get("bytes", pa.null())
+    if not (pa.types.is_binary(data) or pa.types.is_large_binary(data)):
         raise SourceError(f"{path}: column {column!r} has type {kind}; expected the datasets Image layout "
                           "struct<bytes: binary, path: string>")
 
@@ -178,8 +179,6 @@ class EmbeddedImages:
         self.row_groups_read = 0
 
     def read(self, row: int) -> bytes:
-        import bisect
-
         group = bisect.bisect_right(self._starts, row) - 1
         images = self._cache.get(group)
         if images is None:
