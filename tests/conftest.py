@@ -5,6 +5,10 @@ Layout: tests/unit holds in-process tests that start no server and no cluster (`
 tests/integration everything that runs the CLI, training or a real service; tests/common is the
 equipment both share. Every test is marked by the services its fixtures start (slurm, cluster, s3,
 gcs, azure, mlflow), so `-m "not cluster and not slurm"` and the like combine with `-m "not slow"`.
+
+Order: the longest tests first (`slow(seconds=N)`, N as measured in CI, then the other slow ones),
+so that xdist's workers end together: the suite is CPU-bound on 2 cores, and a 5-15 minute test
+handed out last would run on alone after everything else had finished.
 """
 
 from __future__ import annotations
@@ -59,6 +63,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(SERVICE_MARKERS[fixture])
         if "cluster" in item.fixturenames:  # one multi-host cluster per run: its tests share one worker
             item.add_marker(pytest.mark.xdist_group("cluster"))
+    items.sort(key=lambda item: -_expected_seconds(item))  # stable: files keep their order otherwise
+
+
+def _expected_seconds(item) -> float:
+    # A parameter's own slow(seconds=N) comes with its function's plain slow mark.
+    return max((slow.kwargs.get("seconds", 20) for slow in item.iter_markers("slow")), default=0)
 
 
 @pytest.fixture(scope="session")

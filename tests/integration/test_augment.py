@@ -111,7 +111,7 @@ def digits(tmp_path_factory):
     return root
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=245)
 def test_real_digits_reach_90_percent_with_a_narrower_crop_and_no_flip(digits):
     """A tiny ViT, 2 CPU processes, 3,000 steps of 64 (about 1.5 minutes here): crops of 35-100% of
     the area and no flip (a mirrored 2 is not a 2)."""

@@ -70,8 +70,12 @@ def run_benchmark(name: str, args: list[str], work: Path) -> subprocess.Complete
     return result
 
 
+LONGEST = {"loader_bench": 180, "tracking_bench": 135, "fewshot_bench": 50}  # CI's seconds: started first
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(SMOKES))
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow(seconds=LONGEST[name]))
+                                  if name in LONGEST else name for name in SMOKES])
 def test_benchmark_smoke_prints_its_goal_lines(name, tmp_path):
     args, goals = SMOKES[name]
     out = run_benchmark(name, args, tmp_path).stdout

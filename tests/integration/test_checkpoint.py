@@ -23,7 +23,7 @@ from common.checks import SECRET, assert_same_weights, losses, weights
 from common.cli import EXTENSIONS, REPO, STRAIGHT, start_ranks, train, train_args, vitforge
 from vitforge.core import errors
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=85)
 def test_s3_save_and_resume_through_faults_is_exact(data, straight, s3_server, bucket, faulty, monkeypatch,
                                                     tmp_path):
     env, schedule = faulty
@@ -48,7 +48,7 @@ def test_s3_save_and_resume_through_faults_is_exact(data, straight, s3_server, b
     assert SECRET not in everything
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=65)
 def test_kill_9_at_any_point_resumes_from_the_newest_complete_checkpoint(data, straight, s3_server, bucket,
                                                                          tmp_path, monkeypatch):
     """Killed while an upload is in flight (a slow link), then killed mid-training: each rerun
@@ -231,7 +231,7 @@ def test_a_signal_during_start_up_stops_the_run_after_its_first_step(data, strai
     assert_same_weights(weights(str(run)), weights(str(straight)))
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=95)
 def test_a_signal_that_kills_a_start_up_child_still_ends_in_a_requeue(data, tmp_path):
     """With an empty extensions folder, start-up JIT-compiles DeepSpeed's shm op: ninja holds the
     signal it inherits, but starts its compilers with an empty mask, and they die of it. The ranks
@@ -403,7 +403,7 @@ def test_denials_are_not_retried_and_throttling_is():
     assert len(calls) == 3
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=60)
 def test_resume_from_s3_at_another_world_size(data, straight, s3_server, bucket, monkeypatch, tmp_path):
     """Saved by 2 ranks (ZeRO-2) to s3://, resumed by 1: every file is fetched and checked, converted
     with ds_to_universal in staging, the result published beside the checkpoint (its marker last)

@@ -151,7 +151,7 @@ def _wait(job: str, states=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), time
     raise AssertionError(f"job {job} did not reach {states}: {_state(job)}")
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=600)
 def test_a_run_longer_than_its_time_limit_completes_across_requeues(data, slurm, s3_server, bucket, monkeypatch,
                                                                     tmp_path):
     """A 2-minute limit with the pre-limit signal 90 s ahead, for a run that needs more than one

@@ -11,7 +11,7 @@ from common.cli import EXTENSIONS, vitforge
 from vitforge.testing import local_slurm_missing
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=160)
 def test_the_demo_trains_is_preempted_resumes_from_the_store_and_reports(tmp_path):
     out = tmp_path / "demo"
     result = vitforge("demo", "--out", out, "--images", "600", "--val-images", "100", "--steps", "240",

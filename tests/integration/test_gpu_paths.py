@@ -103,7 +103,7 @@ def test_compile_with_zero3_is_refused():
         load_config("tiny_cpu", ["model.compile=true", "train.zero_stage=3"])
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=55)
 def test_a_compiled_fused_run_resumes_uncompiled(data):
     """Through `vitforge train` (one process): compile and the fused optimizer change no
     checkpoint format, so a run continues with them off."""

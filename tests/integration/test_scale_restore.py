@@ -26,7 +26,7 @@ SAVED = ["train.steps=2", "train.checkpoint_every=2", "data.val=null", "train.lo
 CONVERTED = "ran ds_to_universal"
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=65)
 def test_a_world_size_change_converts_once_and_shares_it(data, s3_server, bucket, tmp_path):
     from common.cli import EXTENSIONS, REPO, train
     from vitforge.core import free_port

@@ -83,7 +83,7 @@ def test_a_data_scale_study_runs_locally_and_collects(data, tmp_path):
     check_collected(tmp_path, study, {("vit_tiny_cpu", 0.25, 20): 100, ("bit_tiny_cpu", 0.25, 20): 100})
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=70)
 def test_a_data_scale_study_runs_on_slurm_and_collects(data, slurm, monkeypatch, tmp_path):
     for key, value in slurm.items():
         monkeypatch.setenv(key, value)

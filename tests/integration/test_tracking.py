@@ -90,7 +90,7 @@ def wandb_records(path: Path):
             yield record
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=65)
 def test_one_tracker_run_across_preemptions_and_a_rollback(data, mlflow_server):
     """2 ranks, MLflow and W&B both on: SIGUSR1 twice, then a relaunch from an older checkpoint
     (steps 5.. replayed with the same values). The server holds one run with every step once, in
@@ -141,7 +141,7 @@ def test_one_tracker_run_across_preemptions_and_a_rollback(data, mlflow_server):
     assert uploaded == ["metrics.jsonl"]  # at the end of the finished run, from its last incarnation
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=60)
 def test_a_dead_tracking_server_costs_one_warning_and_no_row(data, mlflow_server, tmp_path):
     """The MLflow server killed (its whole process tree) mid-run and restarted on the same port and
     database: training ends with exit 0, one warning, one info line, and the server holds every row

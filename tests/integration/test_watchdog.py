@@ -47,7 +47,7 @@ def _first_incarnation_rank(job: str, rank: int) -> int | None:
     return None
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=65)
 def test_a_frozen_rank_is_named_and_the_job_requeues_and_completes(data, slurm, monkeypatch, tmp_path):
     """Rank 1 of the first incarnation is SIGSTOPped mid-run: within the timeout plus the grace
     period rank 0's stacks are in RUN/debug/, the log names rank 1 and its host as not reaching
