@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from vitforge.core import PreconditionFailed, Progress, StorageError, UsageError, open_store, process_alive
 
 from .download import Downloader, DownloadOptions
-from .hf_parquet import EmbeddedImages, embedded_row
+from .hf_parquet import EmbeddedImages, embedded_row, row_reader
 from .images import ImageOptions
 from .manifest import HISTOGRAMS, RECORDS_DIR, ManifestError, labelled, merge, record_name, shard_name
 from .parallel import ordered_map
@@ -255,11 +255,14 @@ def _make_plan(job: ShardJob, store) -> PlanHeader:
                          follow_symlinks=job.follow_symlinks, url_list=bool(job.url_column),
                          meta_columns=job.meta_columns, image_column=job.image_column)
     inputs = Inputs.of(corpus.records, job.seed)  # records stream into the columns, none is kept
-    # A URL list is deduplicated by URL before anything is downloaded; its images' contents are
-    # known only once fetched.
-    read = (lambda url: url.encode()) if job.url_column else read_source
-    plan = plan_inputs(inputs, corpus.classes, job.output_parameters(), shard_bytes=job.shard_bytes,
-                       shard_samples=job.shard_samples, dedup=job.dedup, read=read)
+    with contextlib.ExitStack() as stack:
+        # A URL list is deduplicated by URL before anything is downloaded; its images' contents are
+        # known only once fetched. A Parquet file's embedded images are read in a pass of their own.
+        read = (lambda url: url.encode()) if job.url_column else read_source
+        if job.dedup and job.image_column:
+            read = stack.enter_context(row_reader(job.src, job.image_column, read_source))
+        plan = plan_inputs(inputs, corpus.classes, job.output_parameters(), shard_bytes=job.shard_bytes,
+                           shard_samples=job.shard_samples, dedup=job.dedup, read=read)
     header = write_plan(store, plan, job.num_parts)
     log.info("planned %d inputs into %d shards in %d slices (%.1f s)", header.inputs, header.shards,
              header.parts, time.monotonic() - started)
@@ -314,11 +317,9 @@ def _build_shards(job: ShardJob, shards: list[list[PlanItem]], classes: tuple[st
     progress = Progress(len(items), "shard")
     process = functools.partial(to_sample, opts=job.image, classes=classes, caption=job.caption_column,
                                 src=job.src)
-    downloader = Downloader(job.download) if job.url_column else None
     embedded = EmbeddedImages(job.src, job.image_column) if job.image_column else None
-    if downloader is not None:
-        fetched = downloader.fetch_ordered(None if item.problem else item.source for item in items)
-        inputs = zip(items, fetched)
+    if job.url_column:
+        inputs = _downloaded(items, job.download)
     elif embedded is not None:
         # Read here, in plan order (a window of row groups at a time), not in the workers: each would
         # read whole row groups for the few rows it gets.
@@ -343,10 +344,17 @@ def _build_shards(job: ShardJob, shards: list[list[PlanItem]], classes: tuple[st
         results.close()
         publisher.shutdown(wait=True)
         progress.close()
-        if downloader is not None:
-            downloader.close()
+        if job.url_column:
+            inputs.close()
         if embedded is not None:
             embedded.close()
+
+
+def _downloaded(items: list[PlanItem], options: DownloadOptions):
+    """Each item with its download. The downloader's thread starts at the first item, once
+    ordered_map has forked its workers (a fork copies no thread, but every lock one holds)."""
+    with Downloader(options) as downloader:
+        yield from zip(items, downloader.fetch_ordered(None if item.problem else item.source for item in items))
 
 
 @dataclass

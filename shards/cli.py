@@ -132,7 +132,8 @@ def _url_arguments(p: argparse.ArgumentParser) -> None:
                       help=f"until the response's headers, and between reads of its body (default "
                            f"{d.first_byte_timeout:g})")
     urls.add_argument("--deadline", type=positive_float, default=d.deadline, metavar="SECONDS",
-                      help=f"one URL's whole download: redirects, retries and body (default {d.deadline:g})")
+                      help=f"one URL's whole download: redirects, retries and body; waiting for the host's "
+                           f"turn does not count (default {d.deadline:g})")
     urls.add_argument("--retries", type=non_negative_int, default=d.retries,
                       help=f"retries of connection errors, timeouts, 408, 429 and 5xx (default {d.retries}); "
                            "Retry-After is honoured, other 4xx are never retried")

@@ -3,26 +3,33 @@
 What one request does, hop by hop (the first URL and each redirect):
 - the URL's address is checked against the request-forgery guard (url_guard) after DNS;
 - the origin's robots.txt is consulted (fetched once per origin, optouts);
-- the per-origin rate limit is waited out, then GET with connect and first-byte timeouts;
+- the origin's turn is waited for (host_turns: a connection slot and the rate limit), then GET
+  with connect and first-byte timeouts (the address checked again as the socket is made);
 - a redirect is followed up to `max_redirects` hops (a URL seen twice is a loop);
 - the body is read up to `max_bytes` (a Content-Length above it is refused unread), and an
   `X-Robots-Tag` that opts out refuses it;
-all inside one overall deadline. Connection errors, timeouts, a cut body, 408, 429 and 5xx are
-retried with exponential backoff, honouring `Retry-After` up to `retry_after_cap`; other 4xx
-never are. Whatever happens becomes a `Fetched` with a stable reason code, never an exception.
+all inside one overall deadline, which pauses while the request waits on others (its origin's
+turn, a robots.txt another request is fetching): which rows time out depends on the servers, not on
+the concurrency. Connection errors, timeouts, a cut body, 408, 429 and 5xx are retried with
+exponential backoff, honouring `Retry-After` up to `retry_after_cap`; other 4xx never are.
+Whatever happens becomes a `Fetched` with a stable reason code, never an exception.
 
 `fetch_ordered` yields results in the order of its input, whatever order the downloads finish
 in: that is what makes the shards' bytes independent of concurrency and timing.
 
-Per process: at most `window` Fetched in flight, each holding at most `max_bytes` of body; a
-robots.txt per origin and a rate-limit clock per origin (a few hundred bytes each); aiohttp's
-DNS cache, one entry per host name.
+Per process: at most `window` Fetched in flight, each holding at most `max_bytes` of body; the
+robots.txt cache (bounded in bytes, optouts); per-origin turns for the requests in flight only
+(host_turns); aiohttp's DNS cache, at most DNS_CACHE_HOSTS names (a few hundred bytes each).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import datetime
 import email.utils
+import functools
+import math
 import random
 import threading
 import time
@@ -36,16 +43,20 @@ from yarl import URL
 
 from vitforge.core import UsageError
 
-from .optouts import OPT_OUTS, RobotsCache, x_robots_refusal
-from .url_guard import ForbiddenAddress, GuardedResolver, Network, check_literal
+from .host_turns import HostTurns
+from .optouts import OPT_OUTS, ROBOTS_MAX_BYTES, RobotsCache, x_robots_refusal
+from .url_guard import ForbiddenAddress, GuardedResolver, Network, check_literal, guarded_socket
 
 USER_AGENT = "vitforge/1 (+https://github.com/vitforge/vitforge; image dataset builder; honours robots.txt and noai)"
 USER_AGENT_TOKEN = "vitforge"  # what robots.txt groups and X-Robots-Tag prefixes address
 REDIRECTS = frozenset({301, 302, 303, 307, 308})
+DNS_CACHE_HOSTS = 10_000  # aiohttp's DNS cache, least recently used out
 # Reasons retried within a run, and marked `retryable` in rejects.jsonl: the server or the network
 # may answer differently next time.
 RETRYABLE = frozenset({"timeout", "connection_error", "truncated", "robots_txt_unavailable", "http_408",
                        "http_429"} | {f"http_{s}" for s in range(500, 600)})
+# Retried within the run: not robots_txt_unavailable, whose answer is cached for the run.
+RETRIED_NOW = RETRYABLE - {"robots_txt_unavailable"}
 
 
 @dataclass(frozen=True)
@@ -71,8 +82,10 @@ class DownloadOptions:
         for name in ("connect_timeout", "first_byte_timeout", "deadline"):
             if not getattr(self, name) > 0:
                 raise UsageError(f"{name} must be > 0 seconds, not {getattr(self, name)}")
-        if self.retries < 0 or self.max_redirects < 0 or self.host_rate < 0 or self.retry_after_cap < 0:
-            raise UsageError("retries, max_redirects, host_rate and retry_after_cap must be >= 0")
+        for name in ("retries", "max_redirects", "host_rate", "retry_after_cap"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):  # nan compares false both ways
+                raise UsageError(f"{name} must be a number >= 0, not {value}")
         unknown = set(self.ignore_opt_outs) - set(OPT_OUTS)
         if unknown:
             raise UsageError(f"--ignore-opt-out {sorted(unknown)[0]!r}: the opt-outs are {', '.join(OPT_OUTS)}")
@@ -109,7 +122,7 @@ class Downloader:
     def __init__(self, options: DownloadOptions, resolver=None):
         self.options = options
         self.robots = RobotsCache(USER_AGENT_TOKEN)
-        self._next_start: dict[str, float] = {}
+        self.turns = HostTurns(options.per_host, options.host_rate)
         self._resolver_inner = resolver
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="downloads", daemon=True)
@@ -122,9 +135,13 @@ class Downloader:
     async def _open(self) -> aiohttp.ClientSession:
         o = self.options
         self._limit = asyncio.Semaphore(o.concurrency)
-        connector = aiohttp.TCPConnector(limit=o.concurrency, limit_per_host=o.per_host, use_dns_cache=True,
-                                         ttl_dns_cache=3600,
-                                         resolver=GuardedResolver(o.allow_networks, self._resolver_inner))
+        # The limits are ours (self._limit, self.turns), taken before a request's clocks start;
+        # aiohttp's pool, which waits inside them, is sized never to be what waits (each request in
+        # flight may also be awaiting its origin's robots.txt fetch).
+        connector = aiohttp.TCPConnector(limit=2 * o.concurrency, limit_per_host=0, use_dns_cache=True,
+                                         ttl_dns_cache=3600, dns_cache_max_size=DNS_CACHE_HOSTS,
+                                         resolver=GuardedResolver(o.allow_networks, self._resolver_inner),
+                                         socket_factory=guarded_socket(o.allow_networks))
         timeout = aiohttp.ClientTimeout(total=None, connect=o.connect_timeout, sock_read=o.first_byte_timeout)
         return aiohttp.ClientSession(connector=connector, timeout=timeout, headers={"User-Agent": o.user_agent},
                                      trust_env=False, auto_decompress=True, raise_for_status=False)
@@ -177,44 +194,48 @@ class Downloader:
             host = ""
         result = Fetched(url, host=host)
         async with self._limit:
-            deadline = time.monotonic() + o.deadline
-            for attempt in range(o.retries + 1):
-                result.attempts = attempt + 1
-                try:
-                    async with asyncio.timeout_at(asyncio.get_running_loop().time() + deadline - time.monotonic()):
-                        await self._attempt(url, result)
-                    return result
-                except _Failure as failure:
-                    result.reason, result.detail, result.status = failure.reason, failure.detail, failure.status
-                    wait = _backoff(attempt, failure.retry_after)
-                    if (failure.reason not in RETRYABLE or attempt == o.retries
-                            or (failure.retry_after or 0) > o.retry_after_cap
-                            or time.monotonic() + wait >= deadline):
-                        return result
-                except TimeoutError:
-                    result.reason, result.detail = "timeout", _timed_out(o)
-                    return result
-                except (ValueError, UnicodeError) as e:  # a malformed URL or redirect target
-                    result.reason, result.detail = "bad_url", f"not a URL ({type(e).__name__})"
-                    return result
-                await asyncio.sleep(wait)
+            try:
+                async with asyncio.timeout(o.deadline) as clock:
+                    await self._attempts(url, result, clock)
+            except TimeoutError:
+                result.reason, result.detail = "timeout", _timed_out(o)
+            except (ValueError, UnicodeError) as e:  # a malformed URL or redirect target
+                result.reason, result.detail = "bad_url", f"not a URL ({type(e).__name__})"
         return result
 
-    async def _attempt(self, url: str, result: Fetched) -> None:
+    async def _attempts(self, url: str, result: Fetched, clock: asyncio.Timeout) -> None:
         o = self.options
+        loop = asyncio.get_running_loop()
+        for attempt in range(o.retries + 1):
+            result.attempts = attempt + 1
+            try:
+                await self._attempt(url, result, clock)
+                return
+            except _Failure as failure:
+                result.reason, result.detail, result.status = failure.reason, failure.detail, failure.status
+                wait = _backoff(attempt, failure.retry_after)
+                if (failure.reason not in RETRIED_NOW or attempt == o.retries
+                        or (failure.retry_after or 0) > o.retry_after_cap or loop.time() + wait >= clock.when()):
+                    return
+            await asyncio.sleep(wait)
+
+    async def _attempt(self, url: str, result: Fetched, clock: asyncio.Timeout) -> None:
+        o = self.options
+        waiting = functools.partial(_paused, clock)
         seen = {url}
         for hop in range(o.max_redirects + 1):
             parts = _checked_url(url, o.allow_networks)
             origin = f"{parts.scheme}://{parts.netloc}"
             if "robots.txt" not in o.ignore_opt_outs:
                 try:
-                    refused = await self.robots.verdict(origin, url, self._get_small)
+                    async with waiting():
+                        refused = await self.robots.verdict(origin, url, self._get_small)
                 except ForbiddenAddress as e:  # robots.txt is fetched through the same guard
                     raise _Failure("forbidden_address", str(e)) from None
                 if refused:
                     raise _Failure(*refused)
-            await self._wait_turn(origin)
-            status, headers, body = await self._get(url)
+            async with self.turns.turn(origin, waiting):
+                status, headers, body = await self._get(url)
             result.final_url, result.status = url, status
             if status in REDIRECTS and "Location" in headers:
                 url = urljoin(url, headers["Location"])
@@ -236,9 +257,8 @@ class Downloader:
     async def _get(self, url: str) -> tuple[int, "aiohttp.typedefs.LooseHeaders", bytes | None]:
         """One GET without following redirects: (status, headers, body); the body only for a 200."""
         o = self.options
-        try:
-            async with asyncio.timeout(o.first_byte_timeout):
-                response = await self._session.get(url, allow_redirects=False)
+        try:  # connect (DNS included) and first byte: the session's ClientTimeout
+            response = await self._session.get(url, allow_redirects=False)
         except TimeoutError:
             raise _Failure("timeout", _timed_out(o)) from None
         except ForbiddenAddress as e:
@@ -269,7 +289,7 @@ class Downloader:
 
     async def _get_small(self, url: str) -> tuple[int, bytes]:
         """robots.txt: redirects followed (RFC 9309: at least five), every hop guarded (ForbiddenAddress
-        passes through), 500 KiB read."""
+        passes through), up to ROBOTS_MAX_BYTES read."""
         o = self.options
         for _ in range(5):
             parts = urlsplit(url)
@@ -282,20 +302,27 @@ class Downloader:
                         if response.status in REDIRECTS and "Location" in response.headers:
                             url = urljoin(url, response.headers["Location"])
                             continue
-                        return response.status, await response.content.read(500 * 1024)
+                        body = bytearray()
+                        async for chunk in response.content.iter_chunked(1 << 16):  # read(n): what has arrived
+                            body += chunk
+                            if len(body) >= ROBOTS_MAX_BYTES:
+                                break
+                        return response.status, bytes(body[:ROBOTS_MAX_BYTES])
                 except aiohttp.ClientError as e:
                     raise OSError(_describe(e)) from None
         return 508, b""
 
-    async def _wait_turn(self, origin: str) -> None:
-        """The per-origin rate limit: request starts at least 1 / host_rate apart."""
-        if not self.options.host_rate:
-            return
-        now = time.monotonic()
-        start = max(now, self._next_start.get(origin, now))
-        self._next_start[origin] = start + 1.0 / self.options.host_rate
-        if start > now:
-            await asyncio.sleep(start - now)
+
+@contextlib.asynccontextmanager
+async def _paused(clock: asyncio.Timeout):
+    """The request's deadline stands still inside: it waits on other requests, not on its server."""
+    loop = asyncio.get_running_loop()
+    left = clock.when() - loop.time()
+    clock.reschedule(None)
+    try:
+        yield
+    finally:
+        clock.reschedule(loop.time() + left)
 
 
 def _result(future) -> Fetched | None:
@@ -341,6 +368,8 @@ def _retry_after(value: str | None) -> float | None:
         when = email.utils.parsedate_to_datetime(value)
     except (TypeError, ValueError):
         return None
+    if when.tzinfo is None:  # asctime and "-0000" dates: HTTP dates are GMT, not this machine's time
+        when = when.replace(tzinfo=datetime.timezone.utc)
     return max(0.0, when.timestamp() - time.time())
 
 

@@ -6,33 +6,43 @@ whose class names live in the schema metadata key `huggingface`
 is packed from them; a row with null bytes and a path resolves the path like a manifest row.
 
 Order: the plan shuffles globally, which for images inside one file would make every shard read
-rows from every row group. So rows are grouped into windows of whole row groups (at least
-WINDOW_ROWS rows each); the plan shuffles the windows as wholes and the rows within each window
-(`SourceRecord.group`), and `EmbeddedImages` reads a row group once per window that needs it.
+rows from every row group. So rows are grouped into windows of whole row groups (WINDOW_ROWS rows
+or WINDOW_BYTES of data, whichever comes first); the plan shuffles the windows as wholes and the
+rows within each window (`SourceRecord.group`), and `EmbeddedImages` reads a row group once per
+window that needs it.
 
-Per process: listing holds one record batch and the distinct labels; packing holds the image
-bytes of at most the row groups of two windows (what `EmbeddedImages` caches: a window's rows'
-images, or one row group if that is larger).
+Per process: listing holds one record batch and the distinct labels; packing (and --dedup's
+planning pass) holds the image bytes of at most 2 x WINDOW_BYTES of row groups, or of one row
+group if that is larger: a window is under WINDOW_BYTES plus one row group.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import json
 import os
+import threading
 from collections import OrderedDict
-from typing import Iterator
+from typing import Callable, Iterator
 
-from .manifests import discard_copy, jsonable, label_id, local_copy, resolve_path, root_check
+from .manifests import FileRows, discard_copy, jsonable, label_id, local_copy
 from .records import Corpus, SourceError, SourceRecord, display_path
 
 WINDOW_ROWS = 2048
+WINDOW_BYTES = 128 << 20
 ROW_PREFIX = "row:"  # an embedded image's source: "row:N" (no resolved path or URL starts so)
 
 
 def embedded_row(source: str) -> int | None:
     """The row number of an embedded image's source, None for a path."""
     return int(source[len(ROW_PREFIX):]) if source.startswith(ROW_PREFIX) else None
+
+
+def shown_source(source: str, src: str) -> str:
+    """How outputs and messages name an input: an embedded row as SRC#row=N."""
+    row = embedded_row(source)
+    return display_path(source if row is None else f"{src}#row={row}")
 
 
 def from_hf_parquet(path: str, classes: list[str] | None, image_column: str, label_column: str | None,
@@ -102,13 +112,15 @@ def _check_image_column(path: str, schema, column: str) -> None:
 
 
 def _windows(metadata) -> list[int]:
-    """The window of each row group: consecutive whole row groups of at least WINDOW_ROWS rows."""
-    windows, window, rows = [], 0, 0
+    """The window of each row group: consecutive whole row groups, closed once they hold
+    WINDOW_ROWS rows or WINDOW_BYTES (uncompressed, as the file's metadata says)."""
+    windows, window, rows, size = [], 0, 0, 0
     for group in range(metadata.num_row_groups):
         windows.append(window)
         rows += metadata.row_group(group).num_rows
-        if rows >= WINDOW_ROWS:
-            window, rows = window + 1, 0
+        size += metadata.row_group(group).total_byte_size
+        if rows >= WINDOW_ROWS or size >= WINDOW_BYTES:
+            window, rows, size = window + 1, 0, 0
     return windows
 
 
@@ -117,8 +129,7 @@ def _records(path: str, local: str, image_column: str, label_column: str | None,
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    base = path.rsplit("/", 1)[0] if "/" in path else "."
-    inside = root_check(root or base)
+    files = FileRows.of(path, root)
     ids = {name: i for i, name in enumerate(classes)}
     name = os.path.basename(path)
     others = [c for c in meta_columns] if meta_columns is not None else None
@@ -144,13 +155,8 @@ def _records(path: str, local: str, image_column: str, label_column: str | None,
                         record = SourceRecord(f"{ROW_PREFIX}{n}", label, size, meta, name=f"{name}#row={n}",
                                               group=f"{name}#window={windows[group]}")
                     else:
-                        source = resolve_path(str(image_path or ""), base)
-                        record = SourceRecord(source, label, 0, meta, name=str(image_path or ""))
-                        if not image_path:
-                            record.problem = ("missing_path", f"row {n}: neither bytes nor a path in {image_column!r}")
-                        elif not inside(source):
-                            record.problem = ("outside_root", f"row {n}: {display_path(str(image_path))!r} resolves "
-                                                              f"outside {display_path(root or base)!r}")
+                        record = files.record(image_path, label, meta, f"row {n}",
+                                              f"row {n}: neither bytes nor a path in {image_column!r}")
                     if record.problem is None and label is None and label_column:
                         record.problem = ("label_unknown", f"row {n}: label {raw_label!r} is not in the class map")
                     yield record
@@ -162,7 +168,7 @@ def _records(path: str, local: str, image_column: str, label_column: str | None,
 class EmbeddedImages:
     """Reads embedded images by row number, a row group at a time, from a local copy of the file
     (a remote one is downloaded once per task). Caches row groups (image bytes only) up to
-    2 x WINDOW_ROWS rows, or one row group if that is larger."""
+    2 x WINDOW_BYTES, or one row group if that is larger. Not thread-safe."""
 
     def __init__(self, path: str, image_column: str):
         import pyarrow.parquet as pq
@@ -186,7 +192,7 @@ class EmbeddedImages:
                 .combine_chunks().field("bytes")
             self.row_groups_read += 1
             self._cache[group] = images
-            while len(self._cache) > 1 and sum(len(v) for v in self._cache.values()) > 2 * WINDOW_ROWS:
+            while len(self._cache) > 1 and sum(v.nbytes for v in self._cache.values()) > 2 * WINDOW_BYTES:
                 self._cache.popitem(last=False)
         else:
             self._cache.move_to_end(group)
@@ -195,3 +201,25 @@ class EmbeddedImages:
     def close(self) -> None:
         self._file.close()
         discard_copy(self.path, self._local)
+
+
+@contextlib.contextmanager
+def row_reader(path: str, image_column: str, read_file: Callable[[str], bytes]):
+    """`read(source)` for --dedup's planning pass, from any thread: an embedded row's image bytes,
+    or the file a path row names (through `read_file`). Rows are read in listing order, so each
+    row group is read once."""
+    images = EmbeddedImages(path, image_column)
+    lock = threading.Lock()
+
+    def read(source: str) -> bytes:
+        row = embedded_row(source)
+        if row is None:
+            return read_file(source)
+        with lock:
+            return images.read(row)
+
+    try:
+        yield read
+    finally:
+        images.close()
+

@@ -18,9 +18,9 @@ import json
 from collections import Counter
 
 from vitforge.core import UsageError, __version__
+from .hf_parquet import shown_source
 from .parallel import ordered_map
 from .plan import DUPLICATES_PLAN, PlanHeader
-from .sources import display_path
 
 FORMAT = "vitforge.shards"
 FORMAT_VERSION = 1
@@ -88,9 +88,10 @@ def merge(store, plan: PlanHeader, command: str, threads: int = 16) -> dict:
         "shards": shards,
     }
     store.put_bytes(REJECTS_NAME, _jsonl(rejects))
+    src = plan.parameters["src"]
     duplicates = [json.loads(line) for line in gzip.decompress(store.get_bytes(DUPLICATES_PLAN)).splitlines()]
     store.put_bytes(DUPLICATES_NAME, _jsonl(
-        [{**d, "source": display_path(d["source"]), "duplicate_of": display_path(d["duplicate_of"])}
+        [{**d, "source": shown_source(d["source"], src), "duplicate_of": shown_source(d["duplicate_of"], src)}
          for d in duplicates]))
     store.put_bytes(MANIFEST_NAME, json.dumps(manifest, indent=1, sort_keys=True).encode() + b"\n")
     return manifest

@@ -12,7 +12,8 @@ import json
 import os
 import posixpath
 import tempfile
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Callable, Iterator
 
 from vitforge.core import object_store, without_userinfo
 from vitforge.core import is_remote as is_url
@@ -169,38 +170,67 @@ def from_manifest(path: str, classes: list[str] | None, path_column: str, label_
     return Corpus(records, list(classes))
 
 
+@dataclass(frozen=True)
+class FileRows:
+    """How a listing's rows that name files become records: a path relative to the listing's
+    folder resolves against it, and must lie inside the root (the folder unless --root says)."""
+    root: str
+    base: str
+    inside: Callable[[str], bool]
+
+    @classmethod
+    def of(cls, listing: str, root: str | None) -> "FileRows":
+        base = listing.rsplit("/", 1)[0] if "/" in listing else "."
+        return cls(root or base, base, root_check(root or base))
+
+    def record(self, raw_path, label: int | None, meta: dict, where: str, missing: str) -> SourceRecord:
+        """The row's record, with its problem if it has one: `missing` (the message) when it names
+        no file, outside_root. `where`: the row, as messages name it."""
+        source = resolve_path(str(raw_path or ""), self.base)
+        record = SourceRecord(source, label, 0, meta, name=str(raw_path or ""))
+        if not raw_path:
+            record.problem = ("missing_path", missing)
+        elif not self.inside(source):
+            record.problem = ("outside_root", f"{where}: {display_path(str(raw_path))!r} resolves outside "
+                                              f"{display_path(self.root)!r} (widen with --root)")
+        return record
+
+
 def _manifest_records(path: str, local: str, typed: dict[str, str], classes: list[str], numeric: bool,
                       path_column: str, label_column: str | None, root: str | None, url_list: bool,
                       meta_columns: tuple[str, ...] | None) -> Iterator[SourceRecord]:
-    base = path.rsplit("/", 1)[0] if "/" in path else "."
-    inside = (lambda source: True) if url_list else root_check(root or base)
+    files = FileRows.of(path, root)
     ids = {name: i for i, name in enumerate(classes)}
     kept = (lambda k: k in meta_columns) if meta_columns is not None else (lambda k: k not in (path_column,
                                                                                               label_column))
     try:
         for n, row in enumerate(_manifest_rows(path, local, typed), 1):
             raw_path, raw_label = row.get(path_column), row.get(label_column)
-            source = str(raw_path or "").strip() if url_list else resolve_path(str(raw_path or ""), base)
-            hidden = without_userinfo(source) if url_list else source
             meta = {k: jsonable(v) for k, v in row.items() if kept(k)}
             label = label_id(raw_label, ids, numeric, len(classes)) if label_column else None
-            record = SourceRecord(source, label, 0, meta, name=str(raw_path or ""))
-            if not raw_path:
-                record.problem = ("missing_path", f"manifest row {n} has an empty {path_column!r}")
-            elif url_list and hidden != source:  # kept nowhere: not in the plan, the rejects or a log
-                record.source = hidden
-                record.problem = ("bad_url", f"manifest row {n}: a URL with user:password@ is not downloaded "
-                                             "(credentials never come from a URL)")
-            elif url_list and not source.lower().startswith(("http://", "https://")):
-                record.problem = ("bad_url", f"manifest row {n}: {display_path(source[:80])!r} is not an http(s) URL")
-            elif not inside(source):
-                record.problem = ("outside_root", f"manifest row {n}: {display_path(str(raw_path))!r} resolves "
-                                                  f"outside {display_path(root or base)!r} (widen with --root)")
-            elif label is None and label_column:
+            missing = f"manifest row {n} has an empty {path_column!r}"
+            record = _url_record(raw_path, label, meta, n, missing) if url_list else \
+                files.record(raw_path, label, meta, f"manifest row {n}", missing)
+            if record.problem is None and label is None and label_column:
                 record.problem = ("label_unknown", f"manifest row {n}: label {raw_label!r} is not in the class map")
             yield record
     finally:
         discard_copy(path, local)
+
+
+def _url_record(raw_url, label: int | None, meta: dict, n: int, missing: str) -> SourceRecord:
+    source = str(raw_url or "").strip()
+    record = SourceRecord(source, label, 0, meta, name=str(raw_url or ""))
+    hidden = without_userinfo(source)
+    if not raw_url:
+        record.problem = ("missing_path", missing)
+    elif hidden != source:  # kept nowhere: not in the plan, the rejects or a log
+        record.source = record.name = hidden
+        record.problem = ("bad_url", f"manifest row {n}: a URL with user:password@ is not downloaded "
+                                     "(credentials never come from a URL)")
+    elif not source.lower().startswith(("http://", "https://")):
+        record.problem = ("bad_url", f"manifest row {n}: {display_path(source[:80])!r} is not an http(s) URL")
+    return record
 
 
 def discard_copy(path: str, local: str) -> None:

@@ -33,9 +33,12 @@ def ordered_map(fn: Callable[[T], R], items: Iterable[T], workers: int, chunk_si
         executor = ThreadPoolExecutor(workers)
     else:
         # fork starts workers without re-importing anything (spawn costs ~0.3 s of CPU per worker);
-        # object_store's clients are forgotten in forked children, and no other threads run at this point.
+        # object_store's clients are forgotten in forked children. A fork pool forks every worker at
+        # its first submit: done here, before `items` is first read, since reading it may start
+        # threads (the URL downloader's event loop) whose half-held locks a fork would copy.
         executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
                                        initializer=die_with_parent, initargs=(os.getpid(),))
+        executor.submit(int).result()
     with executor as pool:
         pending: deque = deque()
         chunk: list = []

@@ -13,10 +13,10 @@ import os
 from vitforge.core import StorageError
 
 from .download import Fetched
-from .hf_parquet import embedded_row
+from .hf_parquet import shown_source
 from .images import ImageOptions, Rejected, normalise, sniff
 from .plan import PlanItem
-from .sources import display_path, read_source
+from .sources import read_source
 
 
 def to_sample(pair: tuple[PlanItem, Fetched | bytes | None], *, opts: ImageOptions, classes: tuple[str, ...],
@@ -26,8 +26,7 @@ def to_sample(pair: tuple[PlanItem, Fetched | bytes | None], *, opts: ImageOptio
     item, fetched = pair
     embedded = fetched if isinstance(fetched, bytes) else None
     fetched = None if embedded is not None else fetched
-    row = embedded_row(item.source)
-    shown = display_path(item.source if row is None else f"{src}#row={row}")
+    shown = shown_source(item.source, src)
     if item.problem:
         return {"reject": {"key": item.key, "source": shown, "reason": item.problem[0], "detail": item.problem[1]}}
     if fetched is not None and fetched.data is None:

@@ -7,8 +7,11 @@ first URL and each redirect) is checked after DNS resolution, on the addresses t
 will actually use: `GuardedResolver` sits under aiohttp's connector (names), `check_literal`
 covers URLs that name an IP address (which aiohttp connects to without resolving). Refused:
 every address that is not globally routable (loopback, RFC 1918 private, link-local with the
-cloud metadata endpoints, carrier-grade NAT, reserved, multicast, IPv6 ULA and their IPv4-mapped
-forms), unless the user allows a named network (`--allow-network 10.0.0.0/8`).
+cloud metadata endpoints, carrier-grade NAT, reserved, multicast, IPv6 ULA), and every IPv6 address
+that carries a refused IPv4 address (IPv4-mapped, IPv4-compatible, 6to4 and NAT64's 64:ff9b::/96;
+local-use NAT64, 64:ff9b:1::/48, whole), unless the user allows a named network
+(`--allow-network 10.0.0.0/8`). The address a socket is about to connect to is checked again
+(`guarded_socket`, aiohttp's socket factory), below the resolver and whatever resolved it.
 
 Per process: the allowed networks (a handful) and aiohttp's DNS cache (one entry per host name).
 """
@@ -26,6 +29,9 @@ from vitforge.core import UsageError
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
+# IPv6 prefixes that carry an IPv4 address in their last 32 bits (Python's is_global passes them).
+CARRY_IPV4_IN_LOW_BITS = (ipaddress.ip_network("64:ff9b::/96"), ipaddress.ip_network("::/96"))
+LOCAL_NAT64 = ipaddress.ip_network("64:ff9b:1::/48")  # RFC 8215: translates to any IPv4 address, local use
 
 
 class ForbiddenAddress(Exception):
@@ -48,14 +54,25 @@ def refusal(address: str, allowed: tuple[Network, ...]) -> str | None:
     ip: Address = ipaddress.ip_address(address.split("%", 1)[0])  # an IPv6 zone id names no other host
     if any(ip in network for network in allowed):
         return None
-    mapped = getattr(ip, "ipv4_mapped", None)
-    if mapped is not None:
-        return refusal(str(mapped), allowed)
-    if ip.is_global and not ip.is_multicast:
+    carried = _carried_ipv4(ip)
+    if carried is not None:
+        reason = refusal(str(carried), allowed)
+        return reason and f"{ip} carries an IPv4 address: {reason}"
+    if ip.is_global and not ip.is_multicast and ip not in LOCAL_NAT64:
         return None
     kind = ("loopback" if ip.is_loopback else "link-local (cloud metadata lives here)" if ip.is_link_local
             else "private" if ip.is_private else "multicast" if ip.is_multicast else "not globally routable")
     return f"{ip} is {kind}; allow it with --allow-network if this list is trusted"
+
+
+def _carried_ipv4(ip: Address) -> ipaddress.IPv4Address | None:
+    if ip.version != 6:
+        return None
+    if ip.ipv4_mapped or ip.sixtofour:
+        return ip.ipv4_mapped or ip.sixtofour
+    if any(ip in prefix for prefix in CARRY_IPV4_IN_LOW_BITS) and int(ip) > 1:  # :: and ::1 are themselves
+        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+    return None
 
 
 def check_literal(host: str, allowed: tuple[Network, ...]) -> None:
@@ -67,6 +84,17 @@ def check_literal(host: str, allowed: tuple[Network, ...]) -> None:
     reason = refusal(host.strip("[]"), allowed)
     if reason:
         raise ForbiddenAddress(reason)
+
+
+def guarded_socket(allowed: tuple[Network, ...]):
+    """aiohttp's `socket_factory`: a socket for an allowed address only, made before connecting."""
+    def create(addr_info) -> socket.socket:
+        family, kind, proto, _, address = addr_info
+        reason = refusal(address[0], allowed)
+        if reason:
+            raise ForbiddenAddress(f"connecting to {reason}")
+        return socket.socket(family=family, type=kind, proto=proto)
+    return create
 
 
 class GuardedResolver(AbstractResolver):

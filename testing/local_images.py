@@ -20,7 +20,8 @@ its status once answered: None for one its client gave up on):
     /noai/NAME               NAME with X-Robots-Tag: noai
     /otherbot/NAME           NAME with X-Robots-Tag: otherbot: noai (not addressed to vitforge)
     /private/NAME            NAME, but robots.txt disallows /private/ for vitforge
-    /robots.txt              that robots.txt
+    /robots.txt              that robots.txt (with `robots_slowly`: after 100 KiB of comments, in
+                             pieces 20 ms apart, so that no single read returns the whole of it)
 Runs an aiohttp application on an event loop thread of its own, in the calling process.
 """
 
@@ -43,6 +44,7 @@ class ImageServer:
     slow_s: float = 0.2
     stall_s: float = 5.0
     trickle_s: float = 5.0
+    robots_slowly: bool = False
     log: list[dict] = field(default_factory=list)
     port: int = 0
     _seen: set = field(default_factory=set)
@@ -93,6 +95,8 @@ class ImageServer:
         route, _, rest = path.lstrip("/").partition("/")
         image = self.images.get(rest.rsplit("/", 1)[-1])
         jpeg = {"Content-Type": "image/jpeg"}
+        if path == "/robots.txt" and self.robots_slowly:
+            return await self._robots_slowly(request)
         if path == "/robots.txt":
             return web.Response(text=ROBOTS_TXT)
         if route == "loop":
@@ -121,6 +125,17 @@ class ImageServer:
                    "otherbot": {**jpeg, "X-Robots-Tag": "otherbot: noai"}}.get(route, jpeg)
         body = image + bytes(1 << 20) if route == "big" else image
         return web.Response(body=body, headers=headers)
+
+    async def _robots_slowly(self, request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/plain"})
+        await response.prepare(request)
+        comments = ("# " + "x" * 1021 + "\n").encode() * 100
+        for start in range(0, len(comments), 10 * 1024):
+            await response.write(comments[start:start + 10 * 1024])
+            await asyncio.sleep(0.02)
+        await response.write(ROBOTS_TXT.encode())
+        await response.write_eof()
+        return response
 
     async def _stream(self, request: web.Request, route: str, image: bytes) -> web.StreamResponse:
         try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 from collections import Counter
 
 import pyarrow as pa
@@ -15,6 +16,7 @@ from PIL import Image
 
 from common.checks import dataset_samples
 from common.cli import vitforge
+from vitforge.shards import hf_parquet
 from vitforge.shards.hf_parquet import WINDOW_ROWS, EmbeddedImages, embedded_row
 from vitforge.shards.plan import Inputs, plan_inputs
 from vitforge.shards.sources import list_corpus
@@ -108,3 +110,46 @@ def test_the_plan_keeps_row_group_windows_together_so_each_row_group_is_read_onc
         assert reader.row_groups_read == 5
     finally:
         reader.close()
+
+
+def test_windows_close_at_a_byte_budget_too_and_the_reader_holds_at_most_two(tmp_path, monkeypatch):
+    """Rows of 2 KB in row groups of 100: far under WINDOW_ROWS, so only the byte budget (made
+    500 KB here) cuts windows: three row groups each. The reader, fed in plan order, reads every
+    row group once and never holds more than 2 x the budget."""
+    monkeypatch.setattr(hf_parquet, "WINDOW_BYTES", 500_000)
+    rows = [{"image": {"bytes": os.urandom(2000), "path": None}, "label": i % 3, "note": ""} for i in range(900)]
+    _write(tmp_path / "wide.parquet", rows, row_group_size=100)
+    corpus = list_corpus(str(tmp_path / "wide.parquet"), image_column="image")
+    plan = plan_inputs(Inputs.of(corpus.records, 0), corpus.classes, {}, shard_bytes=None, shard_samples=50,
+                       dedup=False)
+    order = [embedded_row(plan.inputs.source(int(i))) for i in plan.order]
+    windows = [row // 300 for row in order]  # groups 0-2, 3-5, 6-8
+    runs = [w for n, w in enumerate(windows) if n == 0 or windows[n - 1] != w]
+    assert sorted(runs) == [0, 1, 2]  # each window's rows together
+    reader = EmbeddedImages(str(tmp_path / "wide.parquet"), "image")
+    held = []
+    try:
+        for row in order:
+            assert reader.read(row) == rows[row]["image"]["bytes"]
+            held.append(sum(v.nbytes for v in reader._cache.values()))
+        assert reader.row_groups_read == 9 and max(held) <= 2 * 500_000
+    finally:
+        reader.close()
+
+
+def test_dedup_compares_the_embedded_images(tmp_path):
+    images = [_image(i, "JPEG") for i in range(5)]
+    rows = [{"image": {"bytes": images[i % 5], "path": None}, "label": i % 3, "note": f"n{i}"} for i in range(8)]
+    (tmp_path / "side.jpg").write_bytes(images[1])  # a path row whose file repeats an embedded image
+    rows.append({"image": {"bytes": None, "path": "side.jpg"}, "label": 0, "note": "on disk"})
+    _write(tmp_path / "dups.parquet", rows)
+    out = vitforge("shard", tmp_path / "dups.parquet", tmp_path / "out", "--image-col", "image", "--dedup",
+                   "--workers", "1")
+    manifest = json.loads((tmp_path / "out" / "dataset.json").read_text())
+    assert manifest["totals"]["samples"] == 5 and manifest["totals"]["duplicates"] == 4, out.stdout
+    duplicates = {d["source"]: d["duplicate_of"]
+                  for d in map(json.loads, (tmp_path / "out" / "duplicates.jsonl").read_text().splitlines())}
+    parquet = f"{tmp_path}/dups.parquet"
+    assert duplicates == {f"{parquet}#row=5": f"{parquet}#row=0", f"{parquet}#row=6": f"{parquet}#row=1",
+                          f"{parquet}#row=7": f"{parquet}#row=2", str(tmp_path / "side.jpg"): f"{parquet}#row=1"}
+

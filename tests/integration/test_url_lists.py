@@ -167,6 +167,54 @@ def test_kill_9_mid_download_reruns_to_the_same_bytes_without_fetching_packed_im
     assert {entry["path"] for entry in server.log[started:killed_at]} >= packed_before
 
 
+def test_waiting_for_a_turn_at_a_host_counts_against_no_timeout(server):
+    """12 images that take 0.15 s each from one host, with a 1 s deadline: one connection to the
+    host (a 1.8 s queue), or 8 request starts a second (the last starts 1.4 s in). Every one is
+    downloaded, at any concurrency: how long a row waits for others decides nothing."""
+    urls = [f"{server.url}/slow/g{i}.jpg" for i in range(12)]
+    base = dict(deadline=1.0, first_byte_timeout=1.0, retries=0, allow_networks=(ipaddress.ip_network("127.0.0.0/8"),))
+    for settings in (dict(per_host=1, concurrency=12), dict(per_host=8, concurrency=12, host_rate=8.0),
+                     dict(per_host=1, concurrency=1)):
+        with Downloader(DownloadOptions(**base, **settings)) as downloader:
+            outcomes = list(downloader.fetch_ordered(urls))
+        assert [o.reason for o in outcomes] == [""] * 12, (settings, outcomes)
+        assert [o.data for o in outcomes] == [server.images[f"g{i}.jpg"] for i in range(12)]
+
+
+def test_robots_txt_is_read_whole_however_slowly_it_arrives():
+    """The rule for vitforge comes after 100 KiB of comments sent in pieces: a read that takes only
+    what has arrived sees comments and allows everything."""
+    served = start_image_server({"g0.jpg": _jpeg(0)}, robots_slowly=True)
+    try:
+        options = DownloadOptions(retries=0, allow_networks=(ipaddress.ip_network("127.0.0.0/8"),))
+        with Downloader(options) as downloader:
+            private, public = downloader.fetch_ordered([f"{served.url}/private/g0.jpg", f"{served.url}/img/g0.jpg"])
+    finally:
+        served.stop()
+    assert private.reason == "opt_out_robots_txt" and public.data == served.images["g0.jpg"]
+    assert served.paths("/private/") == [] and served.paths("/robots.txt") == ["/robots.txt"]
+
+
+def test_workers_are_forked_before_the_download_thread_starts(server, tmp_path):
+    """A fork copies every lock another thread holds (the downloader's event loop, aiohttp's DNS
+    threads): the packing workers are forked first."""
+    listing = tmp_path / "urls.jsonl"
+    listing.write_text("".join(json.dumps({"url": f"{server.url}/img/g{i}.jpg"}) + "\n" for i in range(8)))
+    script = (
+        "import json, os, sys, threading\n"
+        "forks = []\n"
+        "os.register_at_fork(before=lambda: forks.append(sorted(t.name for t in threading.enumerate())))\n"
+        "from vitforge.cli import main\n"
+        f"code = main(['shard', {str(listing)!r}, {str(tmp_path / 'out')!r}, '--url-col', 'url', '--no-labels',\n"
+        "             '--allow-network', '127.0.0.0/8', '--workers', '2'])\n"
+        "print(json.dumps({'code': code, 'forks': forks}))\n")
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["code"] == 0 and len(report["forks"]) >= 2, report
+    assert not any("downloads" in names for names in report["forks"]), report
+
+
 class StubResolver(AbstractResolver):
     """DNS as the test says: a name maps to the addresses given, anything else does not resolve."""
 
@@ -185,7 +233,8 @@ class StubResolver(AbstractResolver):
 
 def test_no_url_and_no_redirect_reaches_a_refused_address_and_no_packet_is_sent_there(server):
     names = {"metadata.test": ["169.254.169.254"], "intranet.test": ["10.0.0.1"],
-             "mixed.test": ["93.184.216.34", "10.0.0.1"], "images.test": ["127.0.0.1"]}
+             "mixed.test": ["93.184.216.34", "10.0.0.1"], "images.test": ["127.0.0.1"],
+             "nat64.test": ["64:ff9b::a9fe:a9fe"]}
     port = server.port
     refused = [
         "http://metadata.test/latest/meta-data/iam/security-credentials/",  # a name for the metadata endpoint
@@ -194,6 +243,9 @@ def test_no_url_and_no_redirect_reaches_a_refused_address_and_no_packet_is_sent_
         "http://169.254.169.254/latest/meta-data/",  # the endpoint itself
         "http://[::ffff:10.0.0.1]/a.jpg",  # a private address, IPv4-mapped
         "http://[fd00:ec2::254]/latest/meta-data/",  # AWS's IPv6 metadata endpoint (unique local)
+        "http://[64:ff9b::a9fe:a9fe]/latest/meta-data/",  # the metadata endpoint through NAT64
+        "http://nat64.test/latest/meta-data/",  # a name for it
+        "http://[2002:a00:1::1]/a.jpg",  # 10.0.0.1 in 6to4
         f"http://images.test:{port}/to/" + urllib.parse.quote(f"http://intranet.test:{port}/img/g0.jpg", safe=""),
         f"http://images.test:{port}/to/" + urllib.parse.quote("http://[::1]:1/x", safe=""),  # loopback, not allowed
     ]
@@ -204,11 +256,19 @@ def test_no_url_and_no_redirect_reaches_a_refused_address_and_no_packet_is_sent_
         with Downloader(DownloadOptions(retries=0), StubResolver(names)) as strict:
             own, idna, broken = strict.fetch_ordered([f"http://images.test:{port}/img/g1.jpg",
                                                       f"http://①②⑦.0.0.1:{port}/img/g1.jpg", "http://[::1"])
+        with Downloader(DownloadOptions(retries=0), StubResolver(names)) as unguarded:
+            # Below the resolver's guard: were it bypassed, the address connected to is still checked.
+            unguarded._session.connector._resolver = StubResolver(names)
+            before = len(server.log)
+            (sneaked,) = unguarded.fetch_ordered([f"http://images.test:{port}/img/g2.jpg"])
+            reached = server.log[before:]
     assert [o.reason for o in outcomes[:-1]] == ["forbidden_address"] * len(refused), outcomes
     assert "169.254.169.254 is link-local" in outcomes[0].detail and "10.0.0.1 is private" in outcomes[2].detail
     assert outcomes[-1].data == server.images["g0.jpg"] and outcomes[-1].status == 200
     assert own.reason == "forbidden_address" and "127.0.0.1 is loopback" in own.detail
     assert idna.reason == "forbidden_address" and broken.reason == "bad_url"  # IDNA makes the first 127.0.0.1
+    assert sneaked.reason == "forbidden_address" and "connecting to 127.0.0.1 is loopback" in sneaked.detail
+    assert reached == []  # not even its robots.txt: the socket was refused before connecting
     assert connects and set(connects) == {"127.0.0.1"}  # the only address any socket connected to
 
 
