@@ -8,9 +8,9 @@ What one request does, hop by hop (the first URL and each redirect):
 - a redirect is followed up to `max_redirects` hops (a URL seen twice is a loop);
 - the body is read up to `max_bytes` (a Content-Length above it is refused unread), and an
   `X-Robots-Tag` that opts out refuses it;
-all inside one overall deadline, which pauses while the request waits on others (its origin's
-turn, a robots.txt another request is fetching): which rows time out depends on the servers, not on
-the concurrency. Connection errors, timeouts, a cut body, 408, 429 and 5xx are retried with
+all inside one overall deadline, which pauses while the request waits for its origin's turn or
+its origin's robots.txt (fetched once, under a deadline of its own): which rows time out depends on
+the servers, not on the concurrency. Connection errors, timeouts, a cut body, 408, 429 and 5xx are retried with
 exponential backoff, honouring `Retry-After` up to `retry_after_cap`; other 4xx never are.
 Whatever happens becomes a `Fetched` with a stable reason code, never an exception.
 
@@ -127,7 +127,11 @@ class Downloader:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="downloads", daemon=True)
         self._thread.start()
-        self._session = self._call(self._open())
+        try:
+            self._session = self._call(self._open())
+        except BaseException:
+            self._stop_loop()
+            raise
 
     def _call(self, coroutine):
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
@@ -141,7 +145,9 @@ class Downloader:
         connector = aiohttp.TCPConnector(limit=2 * o.concurrency, limit_per_host=0, use_dns_cache=True,
                                          ttl_dns_cache=3600, dns_cache_max_size=DNS_CACHE_HOSTS,
                                          resolver=GuardedResolver(o.allow_networks, self._resolver_inner),
-                                         socket_factory=guarded_socket(o.allow_networks))
+                                         # Addresses tried one after another: a happy-eyeballs race
+                                         # would swallow the socket guard's refusal.
+                                         socket_factory=guarded_socket(o.allow_networks), happy_eyeballs_delay=None)
         timeout = aiohttp.ClientTimeout(total=None, connect=o.connect_timeout, sock_read=o.first_byte_timeout)
         return aiohttp.ClientSession(connector=connector, timeout=timeout, headers={"User-Agent": o.user_agent},
                                      trust_env=False, auto_decompress=True, raise_for_status=False)
@@ -150,6 +156,9 @@ class Downloader:
         if self._loop.is_closed():
             return
         self._call(self._shutdown())
+        self._stop_loop()
+
+    def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()
@@ -289,14 +298,14 @@ class Downloader:
 
     async def _get_small(self, url: str) -> tuple[int, bytes]:
         """robots.txt: redirects followed (RFC 9309: at least five), every hop guarded (ForbiddenAddress
-        passes through), up to ROBOTS_MAX_BYTES read."""
+        passes through), up to ROBOTS_MAX_BYTES read, all within one `deadline`."""
         o = self.options
-        for _ in range(5):
-            parts = urlsplit(url)
-            if parts.scheme not in ("http", "https") or not parts.hostname:
-                return 404, b""  # a redirect off the web: as if there were no robots.txt
-            check_literal(parts.hostname, o.allow_networks)
-            async with asyncio.timeout(o.deadline):
+        async with asyncio.timeout(o.deadline):
+            for _ in range(5):
+                parts = urlsplit(url)
+                if parts.scheme not in ("http", "https") or not parts.hostname:
+                    return 404, b""  # a redirect off the web: as if there were no robots.txt
+                check_literal(parts.hostname, o.allow_networks)
                 try:
                     async with self._session.get(url, allow_redirects=False) as response:
                         if response.status in REDIRECTS and "Location" in response.headers:

@@ -13,7 +13,7 @@ window that needs it.
 
 Per process: listing holds one record batch and the distinct labels; packing (and --dedup's
 planning pass) holds the image bytes of at most 2 x WINDOW_BYTES of row groups, or of one row
-group if that is larger: a window is under WINDOW_BYTES plus one row group.
+group if that is larger: a window is within WINDOW_BYTES or one row group.
 """
 
 from __future__ import annotations
@@ -113,13 +113,17 @@ def _check_image_column(path: str, schema, column: str) -> None:
 
 def _windows(metadata) -> list[int]:
     """The window of each row group: consecutive whole row groups, closed once they hold
-    WINDOW_ROWS rows or WINDOW_BYTES (uncompressed, as the file's metadata says)."""
+    WINDOW_ROWS rows, and before a group that would take them past WINDOW_BYTES (uncompressed, as
+    the file's metadata says): a window is within WINDOW_BYTES or a single row group."""
     windows, window, rows, size = [], 0, 0, 0
     for group in range(metadata.num_row_groups):
+        group_bytes = metadata.row_group(group).total_byte_size
+        if rows and size + group_bytes > WINDOW_BYTES:
+            window, rows, size = window + 1, 0, 0
         windows.append(window)
         rows += metadata.row_group(group).num_rows
-        size += metadata.row_group(group).total_byte_size
-        if rows >= WINDOW_ROWS or size >= WINDOW_BYTES:
+        size += group_bytes
+        if rows >= WINDOW_ROWS:
             window, rows, size = window + 1, 0, 0
     return windows
 
@@ -206,8 +210,8 @@ class EmbeddedImages:
 @contextlib.contextmanager
 def row_reader(path: str, image_column: str, read_file: Callable[[str], bytes]):
     """`read(source)` for --dedup's planning pass, from any thread: an embedded row's image bytes,
-    or the file a path row names (through `read_file`). Rows are read in listing order, so each
-    row group is read once."""
+    or the file a path row names (through `read_file`). Rows come in listing order, so each row
+    group is read once (a remote file is downloaded for this pass, and again for packing)."""
     images = EmbeddedImages(path, image_column)
     lock = threading.Lock()
 

@@ -5,8 +5,9 @@ The waits happen here, before a request's clocks run (`waiting` pauses them): ho
 for its turn depends on the other rows in flight, and which rows time out must not.
 
 Per process: one slot entry per origin with a request holding or awaiting a turn (dropped with its
-last user), and one rate clock per origin whose next start is still ahead (dropped once it has
-passed): both grow with the downloads in flight, never with the number of hosts a list names.
+last user), and rate clocks, pruned to those whose next start is still ahead whenever they
+outnumber max(64, twice what the last pruning kept): both grow with the downloads in flight, never
+with the number of hosts a list names.
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ class HostTurns:
     async def turn(self, origin: str, waiting):
         """Holds one of `origin`'s slots for the block, entered once the rate limit allows.
         `waiting()`: a context manager around each wait (the caller's deadline pauses in it)."""
-        slots = self._slots.setdefault(origin, _Slots(asyncio.Semaphore(self.per_host)))
+        slots = self._slots.get(origin)
+        if slots is None:
+            slots = self._slots[origin] = _Slots(asyncio.Semaphore(self.per_host))
         slots.users += 1
         try:
             async with waiting():

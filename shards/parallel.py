@@ -38,8 +38,9 @@ def ordered_map(fn: Callable[[T], R], items: Iterable[T], workers: int, chunk_si
         # threads (the URL downloader's event loop) whose half-held locks a fork would copy.
         executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
                                        initializer=die_with_parent, initargs=(os.getpid(),))
-        executor.submit(int).result()
     with executor as pool:
+        if not threads:
+            pool.submit(int).result()
         pending: deque = deque()
         chunk: list = []
 

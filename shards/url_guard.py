@@ -8,7 +8,7 @@ will actually use: `GuardedResolver` sits under aiohttp's connector (names), `ch
 covers URLs that name an IP address (which aiohttp connects to without resolving). Refused:
 every address that is not globally routable (loopback, RFC 1918 private, link-local with the
 cloud metadata endpoints, carrier-grade NAT, reserved, multicast, IPv6 ULA), and every IPv6 address
-that carries a refused IPv4 address (IPv4-mapped, IPv4-compatible, 6to4 and NAT64's 64:ff9b::/96;
+that carries a refused IPv4 address (IPv4-mapped, -compatible and -translated, 6to4, NAT64's 64:ff9b::/96;
 local-use NAT64, 64:ff9b:1::/48, whole), unless the user allows a named network
 (`--allow-network 10.0.0.0/8`). The address a socket is about to connect to is checked again
 (`guarded_socket`, aiohttp's socket factory), below the resolver and whatever resolved it.
@@ -30,7 +30,8 @@ from vitforge.core import UsageError
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 # IPv6 prefixes that carry an IPv4 address in their last 32 bits (Python's is_global passes them).
-CARRY_IPV4_IN_LOW_BITS = (ipaddress.ip_network("64:ff9b::/96"), ipaddress.ip_network("::/96"))
+CARRY_IPV4_IN_LOW_BITS = (ipaddress.ip_network("64:ff9b::/96"), ipaddress.ip_network("::/96"),
+                          ipaddress.ip_network("::ffff:0:0:0/96"))  # NAT64, IPv4-compatible, IPv4-translated
 LOCAL_NAT64 = ipaddress.ip_network("64:ff9b:1::/48")  # RFC 8215: translates to any IPv4 address, local use
 
 

@@ -113,9 +113,10 @@ def test_the_plan_keeps_row_group_windows_together_so_each_row_group_is_read_onc
 
 
 def test_windows_close_at_a_byte_budget_too_and_the_reader_holds_at_most_two(tmp_path, monkeypatch):
-    """Rows of 2 KB in row groups of 100: far under WINDOW_ROWS, so only the byte budget (made
-    500 KB here) cuts windows: three row groups each. The reader, fed in plan order, reads every
-    row group once and never holds more than 2 x the budget."""
+    """Rows of 2 KB in row groups of 100 (about 205 KB): far under WINDOW_ROWS, so only the byte
+    budget (made 500 KB here) cuts windows, before the group that would pass it: two row groups
+    each, the last alone. The reader, fed in plan order, reads every row group once and never
+    holds more than 2 x the budget."""
     monkeypatch.setattr(hf_parquet, "WINDOW_BYTES", 500_000)
     rows = [{"image": {"bytes": os.urandom(2000), "path": None}, "label": i % 3, "note": ""} for i in range(900)]
     _write(tmp_path / "wide.parquet", rows, row_group_size=100)
@@ -123,9 +124,9 @@ def test_windows_close_at_a_byte_budget_too_and_the_reader_holds_at_most_two(tmp
     plan = plan_inputs(Inputs.of(corpus.records, 0), corpus.classes, {}, shard_bytes=None, shard_samples=50,
                        dedup=False)
     order = [embedded_row(plan.inputs.source(int(i))) for i in plan.order]
-    windows = [row // 300 for row in order]  # groups 0-2, 3-5, 6-8
+    windows = [row // 200 for row in order]  # groups 0-1, 2-3, 4-5, 6-7, 8
     runs = [w for n, w in enumerate(windows) if n == 0 or windows[n - 1] != w]
-    assert sorted(runs) == [0, 1, 2]  # each window's rows together
+    assert sorted(runs) == [0, 1, 2, 3, 4]  # each window's rows together
     reader = EmbeddedImages(str(tmp_path / "wide.parquet"), "image")
     held = []
     try:

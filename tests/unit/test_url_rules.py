@@ -16,7 +16,7 @@ from vitforge.core import UsageError
 from vitforge.shards import DownloadOptions
 from vitforge.shards.download import _retry_after
 from vitforge.shards.host_turns import HostTurns
-from vitforge.shards.optouts import ENTRY_BYTES, RobotsCache, x_robots_refusal
+from vitforge.shards.optouts import ENTRY_BYTES, PARSED_BYTES_PER_BYTE, RobotsCache, x_robots_refusal
 from vitforge.shards.url_guard import refusal
 
 ROBOTS = """\
@@ -66,7 +66,7 @@ def test_the_robots_cache_is_bounded_in_bytes_and_refetches_what_it_evicted():
         return 200, b"User-agent: *\nDisallow: /private/\n" + b"#" * 1000
 
     async def run():
-        cache = RobotsCache("vitforge", max_bytes=10 * (ENTRY_BYTES + 1035))
+        cache = RobotsCache("vitforge", max_bytes=10 * (ENTRY_BYTES + PARSED_BYTES_PER_BYTE * 1035))
         for i in range(100):
             assert await cache.verdict(f"http://h{i}", f"http://h{i}/private/x", fetch) is not None
         held = cache.origins
@@ -99,6 +99,7 @@ def test_x_robots_tag_directives_and_their_addressees(values, refusal_found):
     ("2002:7f00:1::1", "127.0.0.1"),  # 6to4
     ("::a00:1", "10.0.0.1"),  # IPv4-compatible
     ("::ffff:169.254.169.254", "169.254.169.254"),  # IPv4-mapped
+    ("::ffff:0:7f00:1", "127.0.0.1"),  # IPv4-translated
 ])
 def test_ipv6_forms_that_carry_a_refused_ipv4_address_are_refused(address, carried):
     assert f"carries an IPv4 address: {carried} is" in refusal(address, ())
