@@ -29,7 +29,8 @@ from braceexpand import braceexpand
 from PIL import Image
 
 from vitforge.core import UsageError, is_remote, object_store, open_store
-from vitforge.shards import SAMPLE_IMAGE_EXTS, ManifestError, index_path_for, index_tar, read_manifest
+from vitforge.shards import (MANIFEST_NAME, SAMPLE_IMAGE_EXTS, ManifestError, index_path_for, index_tar,
+                             manifest_version, read_manifest)
 
 from .order import ranked_subset_ids, subset_counts, subset_rows
 
@@ -101,6 +102,8 @@ class DatasetIndex:
     # Samples per class id from dataset.json, for the whole dataset (None for a subset, whose counts
     # are known only once its samples are read, and for tars made elsewhere): O(classes).
     class_counts: list[int] | None = field(default=None, repr=False)
+    # The dataset.json version read (`vitforge shard --extend` adds versions); None for tars made elsewhere.
+    version: int | None = None
 
     def __len__(self) -> int:
         return int(self.shard_samples.sum())
@@ -169,9 +172,10 @@ def load_index(dataset: str) -> DatasetIndex:
         if not len(index):
             raise DatasetError("the dataset has no samples")
         return index
-    store = open_store(dataset)
+    folder, name = _manifest_of(dataset)
+    store = open_store(folder)
     try:
-        manifest = read_manifest(store)
+        manifest = read_manifest(store, name)
     except ManifestError as e:
         raise DatasetError(str(e)) from None
     shards = manifest["shards"]
@@ -181,13 +185,26 @@ def load_index(dataset: str) -> DatasetIndex:
         class_counts=manifest.get("class_counts"),
         max_pixels=manifest.get("parameters", {}).get("image", {}).get("max_pixels") or Image.MAX_IMAGE_PIXELS,
         shard_sha256=[s["sha256"] for s in shards], shard_bytes=[s["bytes"] for s in shards],
-        index_text=StoredIndexFiles(dataset, tuple(s["index"] for s in shards), store))
+        index_text=StoredIndexFiles(folder, tuple(s["index"] for s in shards), store),
+        version=manifest.get("version", 1))
     if len(index) != manifest["totals"]["samples"]:
         raise DatasetError(f"{dataset}: its shards list {len(index)} samples, dataset.json says "
                            f"{manifest['totals']['samples']}")
     if not len(index):
         raise DatasetError(f"{dataset}: the dataset has no samples")
     return index
+
+
+def _manifest_of(dataset: str) -> tuple[str, str]:
+    """(folder, manifest name): a folder reads its latest version (dataset.json); naming a version's
+    manifest, FOLDER/dataset.vN.json, pins that version's shards."""
+    folder, _, name = dataset.rstrip("/").rpartition("/")
+    if name.endswith(".json"):
+        if name != MANIFEST_NAME and manifest_version(name) is None:
+            raise DatasetError(f"{dataset}: a dataset is a folder holding {MANIFEST_NAME}, or one version's manifest "
+                               "in it (dataset.v1.json, dataset.v2.json, ...)")
+        return folder or ".", name
+    return dataset, MANIFEST_NAME
 
 
 class StoredIndexFiles:

@@ -92,7 +92,7 @@ class Loader:
     def state_dict(self) -> dict:
         # A run resumed from version 2 with a subset keeps drawing its subset that way, for good.
         return {"version": STATE_VERSION, "epoch": self.epoch, "consumed": self.consumed, "seed": self.spec.seed,
-                "num_samples": self.num_samples, "world_size": self.world_size,
+                "num_samples": self.num_samples, "world_size": self.world_size, "dataset_version": self._version(),
                 "batch_size": self.spec.batch_size, "partitions": self.partitions,
                 "ranked_subset": bool(self.index is not None and self.index.ranked)}
 
@@ -106,6 +106,8 @@ class Loader:
                                       f"data.partitions={self.spec.partitions} would change the order mid-run")
             self.partitions = partitions
             self._warn_if_spread()
+        if self._extended_since(state):
+            return
         for name in ("seed", "num_samples"):
             mine = self.spec.seed if name == "seed" else self.num_samples
             if state[name] != mine:
@@ -121,6 +123,28 @@ class Loader:
                      "ranked over the whole dataset once (O(samples), at this start only)")
             self.index = self.backend.index = self.index.with_subset(self.spec.subset, self.spec.seed, ranked=True)
         self.epoch, self.consumed = state["epoch"], state["consumed"]
+
+    def _version(self) -> int | None:
+        return None if self.index is None else self.index.version
+
+    def _extended_since(self, state: dict) -> bool:
+        """Refuse a position saved on another version of this dataset, or with data.resume_extended
+        take the next epoch over this version (True: the state is loaded)."""
+        saved, mine = state.get("dataset_version"), self._version()
+        if saved is None or mine is None or saved == mine:
+            return False
+        if not self.spec.resume_extended:
+            raise CheckpointError(
+                f"{self.spec.dataset} is version {mine} of its dataset, and this run's position was saved on "
+                f"version {saved}: resuming would change the sample order. Name the version the run read "
+                f"(data.train=FOLDER/dataset.v{saved}.json), or set data.resume_extended=true to go on over "
+                f"version {mine} from the next epoch")
+        if state["seed"] != self.spec.seed:
+            raise CheckpointError(f"loader state has seed={state['seed']}, this loader has {self.spec.seed}")
+        self.epoch, self.consumed = state["epoch"] + (1 if state["consumed"] else 0), 0
+        log.warning("resuming on version %d of %s (the position was saved on version %d): from the start of "
+                    "epoch %d, as data.resume_extended asks", mine, self.spec.dataset, saved, self.epoch)
+        return True
 
     def prepare(self) -> None:
         """Read the index files of the shards the current epoch reads now, rather than at the

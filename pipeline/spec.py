@@ -85,6 +85,11 @@ class LoaderSettings(BaseModel):
     """Size of the parallel ranged GETs that fetch a shard."""
     shards_ahead: int = Field(2, ge=0)
     """Shards fetched ahead of need, per reader."""
+    resume_extended: bool = False
+    """Resuming on a dataset extended since the checkpoint (`vitforge shard --extend`) is refused, as
+    the sample order would change; true: go on over the extended dataset from the next epoch (the
+    rest of the saved one is not read). To keep the old set instead, name its version's manifest:
+    data.train=FOLDER/dataset.vN.json."""
 
     @field_validator("backend")
     @classmethod

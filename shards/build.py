@@ -13,7 +13,6 @@ import hashlib
 import json
 import logging
 import os
-import shlex
 import socket
 import threading
 import time
@@ -24,19 +23,21 @@ from dataclasses import asdict, dataclass, field
 from vitforge.core import PreconditionFailed, Progress, StorageError, UsageError, open_store, process_alive
 
 from .download import Downloader, DownloadOptions
+from .extend import Extension, existing_digests, open_extension
 from .hf_parquet import EmbeddedImages, embedded_row, row_reader
 from .images import ImageOptions
-from .manifest import HISTOGRAMS, RECORDS_DIR, ManifestError, labelled, merge, record_name, shard_name
+from .layout import FIRST, MANIFEST_NAME, Work, shard_name
+from .manifest import HISTOGRAMS, ManifestError, command_line, merge, read_manifest, version_of
 from .parallel import ordered_map
-from .plan import (HEADER_NAME, LEGACY_PLAN_NAME, PLAN_DIR, Inputs, PlanHeader, PlanItem, fingerprint, load_slice,
-                   plan_inputs, read_header, write_plan)
+from .plan import Inputs, PlanHeader, PlanItem, fingerprint, load_slice, plan_inputs, read_header, write_plan
+from .retry import download_options, retry_parameters, write_retry_plan
 from .samples import to_sample
-from .sources import display_path, list_corpus, load_class_names, read_source
+from .sources import list_corpus, load_class_names, read_source
 from .tarfile_writer import TarShardWriter, index_path_for
+from .verify import verify
 
 log = logging.getLogger("vitforge.shard")
 
-CLAIM_NAME = f"{PLAN_DIR}/claim.json"  # exists while one task of the job lists and plans
 CLAIM_STALE_S = 300.0  # a claim not renewed for this long is taken over
 PLAN_POLL_S = 5.0
 
@@ -66,6 +67,9 @@ class ShardJob:
     meta_columns: tuple[str, ...] | None = None  # the manifest columns kept in each sample's JSON (default all)
     download: DownloadOptions = field(default_factory=DownloadOptions)
     image_column: str | None = None  # SRC is a datasets Parquet file with its images in this column
+    extend: bool = False  # add SRC to DEST's finished dataset as a new version
+    verify_existing: bool = False  # with extend: re-read the dataset's shards first, not trust their checksums
+    retry_of: int | None = None  # download the retryable rejects of this version of DEST again (an extension)
 
     def __post_init__(self):
         if not self.prefix or any(c in self.prefix for c in "./ "):
@@ -86,12 +90,14 @@ class ShardJob:
             raise UsageError("--meta-col needs --url-col or --image-col")
         if self.url_column and self.image_column:
             raise UsageError("--url-col and --image-col contradict each other: a file holds URLs or images")
+        if self.verify_existing and not self.extend:
+            raise UsageError("--verify-existing checks the dataset an --extend adds to: give --extend too")
 
     def output_parameters(self) -> dict:
         """Everything that shapes the output bytes, and nothing else (not workers, not part)."""
         return {
             "src": self.src, "prefix": self.prefix, "seed": self.seed, "shard_bytes": self.shard_bytes,
-            "shard_samples": self.shard_samples, "image": asdict(self.image), "dedup": self.dedup,
+            "shard_samples": self.shard_samples, "image": asdict(self.image), "dedup": self.dedup or self.extend,
             "classes_file": self.classes_file, "path_column": self.path_column, "label_column": self.label_column,
             "root": self.root, "labels": self.labels,
             # Only when set, so datasets sharded before the option existed keep their fingerprint.
@@ -100,6 +106,8 @@ class ShardJob:
             **({"image_column": self.image_column} if self.image_column else {}),
             **({"meta_columns": list(self.meta_columns) if self.meta_columns is not None else None}
                if self.url_column or self.image_column else {}),
+            **({"extend": True} if self.extend else {}),
+            **({"retry_of": self.retry_of} if self.retry_of is not None else {}),
         }
 
     def _url_parameters(self) -> dict:
@@ -120,75 +128,73 @@ class PartResult:
     manifest: dict | None  # the dataset manifest, once every part is done
 
 
-def command_line(parameters: dict) -> str:
-    """The command that reproduces a dataset; DEST stands for the folder the manifest sits in."""
-    image = parameters["image"]
-    args = ["vitforge", "shard", parameters["src"], "DEST", "--prefix", parameters["prefix"],
-            "--seed", str(parameters["seed"])]
-    args += ["--shard-bytes", str(parameters["shard_bytes"])] if parameters["shard_bytes"] else []
-    args += ["--shard-samples", str(parameters["shard_samples"])] if parameters["shard_samples"] else []
-    args += ["--format", image["format"], "--quality", str(image["quality"]), "--min-side", str(image["min_side"]),
-             "--max-pixels", str(image["max_pixels"])]
-    args += ["--max-side", str(image["max_side"])] if image["max_side"] else []
-    args += [] if image["validate"] else ["--no-validate"]
-    args += ["--dedup"] if parameters["dedup"] else []
-    args += ["--classes", parameters["classes_file"]] if parameters["classes_file"] else []
-    if parameters.get("url_column"):
-        args += _url_args(parameters)
-    elif parameters.get("image_column"):
-        args += ["--image-col", parameters["image_column"]]
-    else:
-        args += ["--path-column", parameters["path_column"]]
-    args += [a for column in parameters.get("meta_columns") or () for a in ("--meta-col", column)]
-    args += ["--label-column", parameters["label_column"]] if labelled(parameters) else ["--no-labels"]
-    args += ["--root", parameters["root"]] if parameters.get("root") else []
-    args += ["--follow-symlinks"] if parameters.get("follow_symlinks") else []
-    return shlex.join(display_path(a) for a in args)
-
-
-def _url_args(parameters: dict) -> list[str]:
-    download = parameters["download"]
-    args = ["--url-col", parameters["url_column"]]
-    args += ["--caption-col", parameters["caption_column"]] if parameters["caption_column"] else []
-    args += ["--max-body", str(download["max_bytes"]), "--max-redirects", str(download["max_redirects"]),
-             "--user-agent", download["user_agent"]]
-    args += [a for name in download["ignore_opt_outs"] for a in ("--ignore-opt-out", name)]
-    return args + [a for network in download["allow_networks"] for a in ("--allow-network", network)]
+def retry_job(dest: str, timing: DownloadOptions, **execution) -> ShardJob:
+    """The job of `vitforge shard --retry-failed DEST`: the latest version's retryable rejects,
+    with the settings of the URL list they were listed from."""
+    store = open_store(dest)
+    p = retry_parameters(store, dest)
+    return ShardJob(src=p["src"], dest=dest, prefix=p["prefix"], seed=p["seed"], shard_bytes=None,
+                    image=ImageOptions(**p["image"]), labels=p["labels"], url_column=p["url_column"],
+                    caption_column=p["caption_column"],
+                    meta_columns=None if p["meta_columns"] is None else tuple(p["meta_columns"]),
+                    download=download_options(p, timing), extend=True,
+                    retry_of=version_of(read_manifest(store)), **execution)
 
 
 def merge_parts(dest: str) -> dict:
-    """`vitforge shard merge`: combine the records of every part into dataset.json."""
+    """`vitforge shard merge`: combine the records of every part into dataset.json (of the
+    extension under way, when the latest version has one)."""
     store = open_store(dest)
-    header = read_header(store)
+    base = read_manifest(store) if store.exists(MANIFEST_NAME) else None
+    work = Work.of(version_of(base) + 1) if base else FIRST
+    header = read_header(store, work)
+    if header is None and base is not None:
+        return base  # finished: no extension under way
     if header is None:
-        raise ManifestError(f"{store.url(HEADER_NAME)}: no shard plan; run `vitforge shard` into {dest} first")
-    manifest = merge(store, header, command_line(header.parameters))
+        raise ManifestError(f"{store.url(work.header)}: no shard plan; run `vitforge shard` into {dest} first")
+    manifest = merge(store, header, command_line(header.parameters), work=work, base=base)
     store.finish()
     return manifest
 
 
 def run(job: ShardJob) -> PartResult:
     store = open_store(job.dest)
-    header = ensure_plan(job, store)
+    extension = _extension(job, store) if job.extend else None
+    if extension is not None and extension.done:
+        log.info("%s: this extension is its version %d already", job.dest, extension.version - 1)
+        return PartResult(0, 0, 0, extension.base)
+    work = extension.work if extension else FIRST
+    header = ensure_plan(job, store, extension)
     owned = header.shard_range(job.part, job.num_parts)
     names = {i: shard_name(job.prefix, i) for i in owned}
-    done = set(store.list(RECORDS_DIR))
-    todo = [i for i in owned if record_name(names[i]) not in done]
+    done = set(store.list(work.records_dir))
+    todo = [i for i in owned if work.record(names[i]) not in done]
     log.info("part %d/%d owns shards %d..%d: %d done, %d to build (%d inputs, %d shards in all)",
              job.part, job.num_parts, owned.start, owned.stop - 1, len(owned) - len(todo), len(todo),
              header.inputs, header.shards)
     store.discard_stale_temporaries(set(names.values()))
     if todo:
-        shards = load_slice(store, header, job.part, job.num_parts)
-        _build_shards(job, [shards[i] for i in todo], tuple(header.classes), store, [names[i] for i in todo])
+        shards = load_slice(store, header, job.part, job.num_parts, work)
+        _build_shards(job, [shards[i] for i in todo], tuple(header.classes), store, [names[i] for i in todo], work)
     manifest = None
-    if len(set(store.list(RECORDS_DIR))) >= header.shards:
-        manifest = merge(store, header, command_line(header.parameters))
+    if len(set(store.list(work.records_dir))) >= header.shards:
+        manifest = merge(store, header, command_line(header.parameters), work=work,
+                         base=extension.base if extension else None)
     store.finish()
     return PartResult(len(todo), len(owned) - len(todo), len(owned), manifest)
 
 
-def ensure_plan(job: ShardJob, store=None) -> PlanHeader:
+def _extension(job: ShardJob, store) -> Extension:
+    extension = open_extension(store, job.dest, job.output_parameters(), fingerprint(job.output_parameters()))
+    if job.verify_existing and not extension.done:
+        _, problems = verify(job.dest, job.workers)
+        if problems:
+            raise UsageError(f"{job.dest}: the dataset to extend fails verification ({len(problems)} problems), "
+                             f"first: {problems[0]}")
+    return extension
+
+
+def ensure_plan(job: ShardJob, store=None, extension: Extension | None = None) -> PlanHeader:
     """The plan's header: read, or made by this task when no other task of the job is making it
     (the submit step may call this first, so that no array task lists the corpus).
 
@@ -197,73 +203,90 @@ def ensure_plan(job: ShardJob, store=None) -> PlanHeader:
     gone on this host, or no heartbeat for CLAIM_STALE_S) is taken over, so a crashed planner
     delays the job, never blocks it; past `job.plan_wait_s` a waiting task stops with an error."""
     store = store or open_store(job.dest)
+    if job.extend and extension is None:
+        extension = _extension(job, store)
+    work = extension.work if extension else FIRST
     deadline = time.monotonic() + job.plan_wait_s
     seen: tuple[str, float] | None = None  # (claim version, when this task first saw it)
     while True:
-        header = read_header(store)
+        header = read_header(store, work)
         if header is not None:
             return _checked(job, header)
-        if store.exists(LEGACY_PLAN_NAME):
-            raise UsageError(f"{job.dest} was started by an older vitforge (it holds {LEGACY_PLAN_NAME}): finish it "
+        if store.exists(work.legacy_plan):
+            raise UsageError(f"{job.dest} was started by an older vitforge (it holds {work.legacy_plan}): finish it "
                              "with that version, or shard into a new destination")
-        claim = store.get_versioned(CLAIM_NAME)
+        claim = store.get_versioned(work.claim)
         version = claim[1] if claim else None
         if seen is None or seen[0] != version:
             seen = (version, time.monotonic())
         if claim is None or _claim_dead(claim[0], time.monotonic() - seen[1]):
             try:
-                version = store.put_if(CLAIM_NAME, _claim_bytes(job, 0), version)
+                version = store.put_if(work.claim, _claim_bytes(job, 0), version)
             except PreconditionFailed:
                 continue  # another task claimed it first
-            return _plan_claimed(job, store, version)
+            return _plan_claimed(job, store, version, extension)
         if time.monotonic() > deadline:
             holder = json.loads(claim[0])
             raise UsageError(f"{job.dest}: waited {job.plan_wait_s:.0f} s for the shard plan that part "
                              f"{holder.get('part')} (host {holder.get('host')}, pid {holder.get('pid')}) is making; "
-                             f"it still runs (its claim {store.url(CLAIM_NAME)} is renewed): raise --plan-wait")
+                             f"it still runs (its claim {store.url(work.claim)} is renewed): raise --plan-wait")
         time.sleep(min(PLAN_POLL_S, max(0.0, deadline - time.monotonic())))
 
 
-def _plan_claimed(job: ShardJob, store, version: str) -> PlanHeader:
-    header = read_header(store)  # the previous holder may have finished between our reads
+def _plan_claimed(job: ShardJob, store, version: str, extension: Extension | None) -> PlanHeader:
+    work = extension.work if extension else FIRST
+    header = read_header(store, work)  # the previous holder may have finished between our reads
     if header is None:
-        with _heartbeat(job, store, version) as held:
-            header = _make_plan(job, store)
+        with _heartbeat(job, store, version, work) as held:
+            header = _make_plan(job, store, extension)
         version = held[0]
     # Only a claim still ours is deleted: one a task took over while this one was thought dead is
     # that task's until it finishes its plan. A local store's compare-and-swap leaves a lock file
     # beside the claim; the plan needs neither now.
-    claim = store.get_versioned(CLAIM_NAME)
+    claim = store.get_versioned(work.claim)
     if claim is not None and claim[1] == version:
-        store.delete([CLAIM_NAME, f"{CLAIM_NAME}.lock"])
+        store.delete([work.claim, f"{work.claim}.lock"])
     return _checked(job, header)
 
 
 def _checked(job: ShardJob, header: PlanHeader) -> PlanHeader:
     if header.fingerprint != fingerprint(job.output_parameters()):
         changed = sorted(k for k, v in job.output_parameters().items() if header.parameters.get(k) != v)
+        hint = "" if job.extend else ", or --extend to add SRC to a finished dataset as a new version"
         raise UsageError(f"{job.dest} already holds shards made with other parameters "
-                         f"({', '.join(changed)} differ); use a new destination")
+                         f"({', '.join(changed)} differ); use a new destination{hint}")
     return header
 
 
-def _make_plan(job: ShardJob, store) -> PlanHeader:
+def _make_plan(job: ShardJob, store, extension: Extension | None) -> PlanHeader:
     started = time.monotonic()
+    if extension is not None:
+        extension.snapshot(store)
+    if job.retry_of is not None:
+        header = write_retry_plan(store, extension, job.output_parameters(), job.shard_samples)
+        log.info("planned %d retryable rejects into %d shards", header.retried, header.shards)
+        return header
     classes = load_class_names(job.classes_file) if job.classes_file else None
     corpus = list_corpus(job.src, classes=classes, path_column=job.url_column or job.path_column,
                          label_column=job.label_column, root=job.root, labelled=job.labels,
                          follow_symlinks=job.follow_symlinks, url_list=bool(job.url_column),
                          meta_columns=job.meta_columns, image_column=job.image_column)
     inputs = Inputs.of(corpus.records, job.seed)  # records stream into the columns, none is kept
+    classes, existing, first = corpus.classes, None, (0, 0)
+    if extension is not None:
+        classes = extension.classes(corpus.classes, inputs.labels)
+        existing = existing_digests(store, extension.base, bool(job.url_column), job.workers)
+        first = (extension.first_shard, extension.first_position)
     with contextlib.ExitStack() as stack:
         # A URL list is deduplicated by URL before anything is downloaded; its images' contents are
         # known only once fetched. A Parquet file's embedded images are read in a pass of their own.
         read = (lambda url: url.encode()) if job.url_column else read_source
-        if job.dedup and job.image_column:
+        if (job.dedup or job.extend) and job.image_column:
             read = stack.enter_context(row_reader(job.src, job.image_column, read_source))
-        plan = plan_inputs(inputs, corpus.classes, job.output_parameters(), shard_bytes=job.shard_bytes,
-                           shard_samples=job.shard_samples, dedup=job.dedup, read=read)
-    header = write_plan(store, plan, job.num_parts)
+        plan = plan_inputs(inputs, classes, job.output_parameters(), shard_bytes=job.shard_bytes,
+                           shard_samples=job.shard_samples, dedup=job.dedup or job.extend, read=read,
+                           existing=existing, first_shard=first[0], first_position=first[1])
+    header = write_plan(store, plan, job.num_parts, work=extension.work if extension else FIRST)
     log.info("planned %d inputs into %d shards in %d slices (%.1f s)", header.inputs, header.shards,
              header.parts, time.monotonic() - started)
     return header
@@ -283,7 +306,7 @@ def _claim_dead(data: bytes, unchanged_s: float) -> bool:
 
 
 @contextlib.contextmanager
-def _heartbeat(job: ShardJob, store, version: str):
+def _heartbeat(job: ShardJob, store, version: str, work: Work):
     """Renew the claim every CLAIM_STALE_S / 4 while planning, so waiting tasks see it is alive.
     Yields [the claim's version as this task last wrote it], None once another task took it over."""
     stop = threading.Event()
@@ -294,7 +317,7 @@ def _heartbeat(job: ShardJob, store, version: str):
         while not stop.wait(CLAIM_STALE_S / 4):
             beats += 1
             try:
-                held[0] = store.put_if(CLAIM_NAME, _claim_bytes(job, beats), held[0])
+                held[0] = store.put_if(work.claim, _claim_bytes(job, beats), held[0])
             except PreconditionFailed:
                 held[0] = None
                 log.warning("another task took over planning (this one was thought dead); both write the same plan")
@@ -312,7 +335,7 @@ def _heartbeat(job: ShardJob, store, version: str):
 
 
 def _build_shards(job: ShardJob, shards: list[list[PlanItem]], classes: tuple[str, ...], store,
-                  names: list[str]) -> None:
+                  names: list[str], work: Work) -> None:
     items = [item for shard in shards for item in shard]
     progress = Progress(len(items), "shard")
     process = functools.partial(to_sample, opts=job.image, classes=classes, caption=job.caption_column,
@@ -337,7 +360,7 @@ def _build_shards(job: ShardJob, shards: list[list[PlanItem]], classes: tuple[st
             staged = _pack_shard(store.temp_path(name), (next(results) for _ in shard), progress)
             if published is not None:
                 published.result()
-            published = publisher.submit(_publish_shard, store, name, staged)
+            published = publisher.submit(_publish_shard, store, name, staged, work)
         if published is not None:
             published.result()
     finally:
@@ -390,7 +413,7 @@ def _pack_shard(staging: str, results, progress: Progress) -> StagedShard:
     return StagedShard(staging, writer, record)
 
 
-def _publish_shard(store, name: str, staged: StagedShard) -> None:
+def _publish_shard(store, name: str, staged: StagedShard, work: Work) -> None:
     """Tar, then index, then the record: the record is the commit mark, so it goes last."""
     with _removed_on_error(staged.path):
         with open(staged.path, "rb") as f:
@@ -401,7 +424,7 @@ def _publish_shard(store, name: str, staged: StagedShard) -> None:
     record = {"name": name, "index": index_path_for(name), "samples": staged.writer.samples,
               "bytes": staged.writer.offset, "sha256": staged.writer.sha256,
               "index_sha256": hashlib.sha256(index).hexdigest(), **staged.record}
-    store.put_bytes(record_name(name), json.dumps(record, sort_keys=True, indent=1).encode())
+    store.put_bytes(work.record(name), json.dumps(record, sort_keys=True, indent=1).encode())
 
 
 @contextlib.contextmanager

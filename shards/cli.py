@@ -11,7 +11,7 @@ from vitforge.core import scheduler_env, setup_logging
 from vitforge.core.cli_args import bounded, non_negative_int, positive_float, positive_int
 from vitforge.core.errors import CHECK_FAILED
 
-from .build import ShardJob, merge_parts, run
+from .build import PartResult, ShardJob, merge_parts, retry_job, run
 from .download import USER_AGENT, DownloadOptions
 from .images import ImageOptions
 from .optouts import OPT_OUTS
@@ -22,6 +22,8 @@ DESCRIPTION = """\
 Pack an image corpus into WebDataset tar shards with DALI index files and a dataset.json manifest.
 
   vitforge shard SRC DEST [options]      shard a corpus (resumable: rerun the same command after a crash)
+  vitforge shard SRC DEST --extend       add SRC to DEST's dataset as a new version (old shards untouched)
+  vitforge shard --retry-failed DEST     download a URL-list dataset's retryable failures again (a new version)
   vitforge shard merge DEST              combine the parts of a --num-parts run into dataset.json
   vitforge shard verify DEST             re-read every shard and check it against the manifest
   vitforge shard info DEST               summarise a sharded dataset
@@ -35,6 +37,13 @@ each row's image is downloaded (opt-outs honoured, private addresses refused, re
 deadline) and then validated and packed like a local image; failures are rows of rejects.jsonl.
 Object-store endpoint and credentials come from the standard AWS environment (AWS_ENDPOINT_URL,
 AWS_PROFILE, AWS_ACCESS_KEY_ID ...)."""
+RETRY_DESCRIPTION = """\
+Download a URL-list dataset's retryable failures again (timeouts, connection errors, 408, 429,
+5xx, robots.txt unavailable: rejects.jsonl's rows with "retryable": true), as a new version of
+the dataset (see --extend): each row that now downloads becomes a sample under the key it always
+had; the others stay rejects. Rows are fetched with the user agent, opt-outs, allowed networks
+and limits they were listed with; only the timing options below may differ. Run it again to
+retry what still fails."""
 URL_LIST_SHARD_SAMPLES = 10_000  # a URL list has no sizes before downloading: shards close by count
 
 SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
@@ -95,18 +104,17 @@ def build_parser() -> argparse.ArgumentParser:
                         help="follow symlinked folders below a folder SRC (default: skipped, with a warning); "
                              "only those leading inside SRC, or inside --root when given, and each real folder once")
     _url_arguments(p)
-    run_group = p.add_argument_group("execution")
-    run_group.add_argument("--workers", type=positive_int, default=default_workers(),
-                           help="decode/validate processes (default: CPUs available); output is the same for any N")
-    run_group.add_argument("--num-parts", type=positive_int, default=1,
-                           help="split the shards into P parts (one per job-array task); merge afterwards")
-    run_group.add_argument("--part", type=non_negative_int, default=None,
-                           help="which part this process builds "
-                                "(default: $SLURM_ARRAY_TASK_ID - $SLURM_ARRAY_TASK_MIN)")
-    run_group.add_argument("--plan-wait", type=positive_float, default=24 * 3600, metavar="SECONDS",
-                           help="one task of a job lists and plans while the others wait for its plan; give up "
-                                "waiting after this long (default 86400); a planner that died is taken over")
-    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    versions = p.add_argument_group(
+        "extending a dataset (each version's manifest stays as dataset.vN.json: a reader or run that names "
+        "it keeps reading that set)")
+    versions.add_argument("--extend", action="store_true",
+                          help="add SRC to the finished dataset in DEST as a new version: new shards numbered on, "
+                               "class ids kept (new classes appended), exact duplicates of anything already in "
+                               "it (or in SRC) left out; image settings and --prefix must be the dataset's")
+    versions.add_argument("--verify-existing", action="store_true",
+                          help="with --extend: re-read every existing shard against its checksum first "
+                               "(default: the manifest's checksums are trusted)")
+    _execution_arguments(p)
     return p
 
 
@@ -120,23 +128,7 @@ def _url_arguments(p: argparse.ArgumentParser) -> None:
                       help="a caption column: each sample's .txt member (and kept in its JSON)")
     urls.add_argument("--meta-col", dest="meta_columns", action="append", default=None, metavar="COL",
                       help="a column kept in each sample's JSON (repeatable; default: every column)")
-    urls.add_argument("--concurrency", type=positive_int, default=d.concurrency,
-                      help=f"downloads in flight (default {d.concurrency}); the output is the same for any value")
-    urls.add_argument("--per-host", type=positive_int, default=d.per_host,
-                      help=f"connections per host (default {d.per_host})")
-    urls.add_argument("--host-rate", type=float, default=d.host_rate, metavar="PER_SECOND",
-                      help="request starts per second per host (default 0: unlimited)")
-    urls.add_argument("--connect-timeout", type=positive_float, default=d.connect_timeout, metavar="SECONDS",
-                      help=f"default {d.connect_timeout:g}")
-    urls.add_argument("--first-byte-timeout", type=positive_float, default=d.first_byte_timeout, metavar="SECONDS",
-                      help=f"until the response's headers, and between reads of its body (default "
-                           f"{d.first_byte_timeout:g})")
-    urls.add_argument("--deadline", type=positive_float, default=d.deadline, metavar="SECONDS",
-                      help=f"one URL's whole download: redirects, retries and body; waiting for the host's "
-                           f"turn does not count (default {d.deadline:g})")
-    urls.add_argument("--retries", type=non_negative_int, default=d.retries,
-                      help=f"retries of connection errors, timeouts, 408, 429 and 5xx (default {d.retries}); "
-                           "Retry-After is honoured, other 4xx are never retried")
+    _timing_arguments(urls)
     urls.add_argument("--max-body", type=parse_size, default=d.max_bytes, metavar="SIZE",
                       help=f"refuse larger downloads (default {d.max_bytes >> 20}MiB)")
     urls.add_argument("--max-redirects", type=non_negative_int, default=d.max_redirects,
@@ -147,6 +139,53 @@ def _url_arguments(p: argparse.ArgumentParser) -> None:
     urls.add_argument("--allow-network", dest="allow_networks", action="append", default=[], metavar="CIDR",
                       help="let downloads reach this network although it is loopback, private or link-local "
                            "(refused by default: a crawled list must not reach a node's metadata endpoint)")
+
+
+def _timing_arguments(group) -> None:
+    """How fast and how patiently URLs are downloaded: never what a success holds."""
+    d = DownloadOptions()
+    group.add_argument("--concurrency", type=positive_int, default=d.concurrency,
+                       help=f"downloads in flight (default {d.concurrency}); the output is the same for any value")
+    group.add_argument("--per-host", type=positive_int, default=d.per_host,
+                       help=f"connections per host (default {d.per_host})")
+    group.add_argument("--host-rate", type=float, default=d.host_rate, metavar="PER_SECOND",
+                       help="request starts per second per host (default 0: unlimited)")
+    group.add_argument("--connect-timeout", type=positive_float, default=d.connect_timeout, metavar="SECONDS",
+                       help=f"default {d.connect_timeout:g}")
+    group.add_argument("--first-byte-timeout", type=positive_float, default=d.first_byte_timeout, metavar="SECONDS",
+                       help=f"until the response's headers, and between reads of its body (default "
+                            f"{d.first_byte_timeout:g})")
+    group.add_argument("--deadline", type=positive_float, default=d.deadline, metavar="SECONDS",
+                       help=f"one URL's whole download: redirects, retries and body; waiting for the host's "
+                            f"turn does not count (default {d.deadline:g})")
+    group.add_argument("--retries", type=non_negative_int, default=d.retries,
+                       help=f"retries of connection errors, timeouts, 408, 429 and 5xx (default {d.retries}); "
+                            "Retry-After is honoured, other 4xx are never retried")
+
+
+def _execution_arguments(p: argparse.ArgumentParser) -> None:
+    run_group = p.add_argument_group("execution")
+    run_group.add_argument("--workers", type=positive_int, default=default_workers(),
+                           help="decode/validate processes (default: CPUs available); output is the same for any N")
+    run_group.add_argument("--num-parts", type=positive_int, default=1,
+                           help="split the shards into P parts (one per job-array task); merge afterwards")
+    run_group.add_argument("--part", type=non_negative_int, default=None,
+                           help="which part this process builds "
+                                "(default: $SLURM_ARRAY_TASK_ID - $SLURM_ARRAY_TASK_MIN)")
+    run_group.add_argument("--plan-wait", type=positive_float, default=24 * 3600, metavar="SECONDS",
+                           help="one task of a job lists and plans while the others wait for its plan; give up "
+                                "waiting after this long (default 86400); a planner that died is taken over")
+    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+
+
+def _retry_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="vitforge shard --retry-failed", description=RETRY_DESCRIPTION)
+    p.add_argument("dest", help="the folder or store prefix holding a URL-list dataset's dataset.json")
+    p.add_argument("--shard-samples", type=positive_int, default=URL_LIST_SHARD_SAMPLES,
+                   help=f"at most this many samples per new shard (default {URL_LIST_SHARD_SAMPLES})")
+    _timing_arguments(p.add_argument_group("downloading"))
+    _execution_arguments(p)
+    return p
 
 
 def _subcommand_parser(name: str, help_text: str, workers: bool = False) -> argparse.ArgumentParser:
@@ -177,20 +216,34 @@ def main(argv: list[str]) -> int:
         print(f"verified {len(manifest['shards'])} shards, {manifest['totals']['samples']} samples: "
               + (f"{len(problems)} problems" if problems else "all good"))
         return CHECK_FAILED if problems else 0
+    if "--retry-failed" in argv:
+        return _retry([a for a in argv if a != "--retry-failed"])
     if argv and argv[0] == "info":
         print(info(_subcommand_parser("info", "Summarise a sharded dataset.").parse_args(argv[1:]).dest))
         return 0
     return _shard(build_parser().parse_args(argv))
 
 
+def _timing(args: argparse.Namespace, **output) -> DownloadOptions:
+    return DownloadOptions(concurrency=args.concurrency, per_host=args.per_host, host_rate=args.host_rate,
+                           connect_timeout=args.connect_timeout, first_byte_timeout=args.first_byte_timeout,
+                           deadline=args.deadline, retries=args.retries, **output)
+
+
+def _retry(argv: list[str]) -> int:
+    args = _retry_parser().parse_args(argv)
+    logging.getLogger().setLevel(args.log_level)
+    job = retry_job(args.dest, _timing(args), shard_samples=args.shard_samples, workers=args.workers,
+                    num_parts=args.num_parts, part=_part_from_env() if args.part is None else args.part,
+                    plan_wait_s=args.plan_wait)
+    return _report(job, run(job), args.dest)
+
+
 def _shard(args: argparse.Namespace) -> int:
     logging.getLogger().setLevel(args.log_level)
-    download = DownloadOptions(
-        concurrency=args.concurrency, per_host=args.per_host, host_rate=args.host_rate,
-        connect_timeout=args.connect_timeout, first_byte_timeout=args.first_byte_timeout, deadline=args.deadline,
-        retries=args.retries, max_redirects=args.max_redirects, max_bytes=args.max_body, user_agent=args.user_agent,
-        ignore_opt_outs=tuple(sorted(set(args.ignore_opt_outs))),
-        allow_networks=parse_networks(args.allow_networks))
+    download = _timing(args, max_redirects=args.max_redirects, max_bytes=args.max_body, user_agent=args.user_agent,
+                       ignore_opt_outs=tuple(sorted(set(args.ignore_opt_outs))),
+                       allow_networks=parse_networks(args.allow_networks))
     shard_samples = args.shard_samples or (URL_LIST_SHARD_SAMPLES if args.url_column else None)
     job = ShardJob(
         src=args.src, dest=args.dest, prefix=args.prefix, seed=args.seed, shard_bytes=args.shard_bytes or None,
@@ -202,15 +255,18 @@ def _shard(args: argparse.Namespace) -> int:
         label_column=args.label_column, root=args.root, labels=args.labels,
         follow_symlinks=args.follow_symlinks, workers=args.workers,
         num_parts=args.num_parts, part=_part_from_env() if args.part is None else args.part,
-        plan_wait_s=args.plan_wait,
+        plan_wait_s=args.plan_wait, extend=args.extend, verify_existing=args.verify_existing,
     )
-    result = run(job)
+    return _report(job, run(job), args.dest)
+
+
+def _report(job: ShardJob, result: PartResult, dest: str) -> int:
     print(f"part {job.part + 1} of {job.num_parts}: built {result.shards_built} shards, "
           f"{result.shards_skipped} already complete")
     if result.manifest is None:
-        print(f"other parts are still running; when all are done: vitforge shard merge {args.dest}")
+        print(f"other parts are still running; when all are done: vitforge shard merge {dest}")
         return 0
-    print(_summary(result.manifest, args.dest))
+    print(_summary(result.manifest, dest))
     return 0
 
 
@@ -230,6 +286,11 @@ def _summary(manifest: dict, dest: str) -> str:
     t = manifest["totals"]
     lines = [f"{t['inputs']} inputs = {t['samples']} packed + {t['rejected']} rejected + {t['duplicates']} duplicates",
              f"{t['shards']} shards, {t['bytes']} bytes, {_classes(manifest)} -> {dest}"]
+    if manifest.get("version", 1) > 1:
+        a = manifest["history"][-1]["added"]
+        lines.append(f"version {manifest['version']} (dataset.v{manifest['version']}.json) added {a['inputs']} inputs "
+                     f"= {a['samples']} packed + {a['rejected']} rejected + {a['duplicates']} duplicates, "
+                     f"{a['shards']} shards")
     if manifest["rejects_by_reason"]:
         reasons = ", ".join(f"{k} {v}" for k, v in manifest["rejects_by_reason"].items())
         lines.append(f"rejected: {reasons} (details in rejects.jsonl)")

@@ -1,33 +1,29 @@
-"""The dataset manifest (`dataset.json`) and the per-shard records it is merged from.
+"""The dataset manifest (`dataset.json`) and the per-shard records it is merged from (the
+destination's layout is in layout.py).
 
-Layout of a destination:
-    PREFIX-000000.tar, PREFIX-000000.idx, ...   the shards and their DALI indexes
-    dataset.json                                written last; a reader trusts nothing else
-    rejects.jsonl, duplicates.jsonl             what was left out, with the source and the reason
-    _work/plan/header.json                      the shard plan's header (written last: its commit mark)
-    _work/plan/part-00000.jsonl.gz, ...         the plan's items, one slice per part of the job
-    _work/plan/duplicates.jsonl.gz              the duplicates --dedup found
-    _work/plan/claim.json                       which task plans (only while it plans)
-    _work/shards/PREFIX-000000.tar.json         one record per finished shard (its commit mark)
+A manifest describes one version of a dataset, whole: version 1 is what `vitforge shard` made;
+each `--extend` adds a version that lists every shard of the one before plus its own, with totals,
+class counts and histograms over all of them, and a `history` of what each version added. Each
+version's manifest stays as dataset.vN.json, so a reader pinned to it keeps reading that set.
 """
 
 from __future__ import annotations
 
 import gzip
 import json
+import shlex
 from collections import Counter
 
 from vitforge.core import UsageError, __version__
 from .hf_parquet import shown_source
+from .layout import (DUPLICATES_NAME, FIRST, MANIFEST_NAME, REJECTS_NAME, Work, shard_name,
+                     versioned_manifest_name)
 from .parallel import ordered_map
-from .plan import DUPLICATES_PLAN, PlanHeader
+from .plan import PlanHeader
+from .records import display_path
 
 FORMAT = "vitforge.shards"
 FORMAT_VERSION = 1
-MANIFEST_NAME = "dataset.json"
-REJECTS_NAME = "rejects.jsonl"
-DUPLICATES_NAME = "duplicates.jsonl"
-RECORDS_DIR = "_work/shards"
 HISTOGRAMS = ("image_bytes", "short_side")
 
 
@@ -35,20 +31,14 @@ class ManifestError(UsageError):
     pass
 
 
-def shard_name(prefix: str, index: int) -> str:
-    return f"{prefix}-{index:06d}.tar"
-
-
-def record_name(shard: str) -> str:
-    return f"{RECORDS_DIR}/{shard}.json"
-
-
-def merge(store, plan: PlanHeader, command: str, threads: int = 16) -> dict:
+def merge(store, plan: PlanHeader, command: str, threads: int = 16, work: Work = FIRST,
+          base: dict | None = None) -> dict:
     """Combine every shard record into dataset.json (written last), rejects.jsonl, duplicates.jsonl.
-    Records are read `threads` at a time (each read retried by the store), summed as they come."""
-    names = [shard_name(plan.parameters["prefix"], i) for i in range(plan.shards)]
-    present = set(store.list(RECORDS_DIR))
-    missing = [n for n in names if record_name(n) not in present]
+    Records are read `threads` at a time (each read retried by the store), summed as they come.
+    `base`: the manifest of the version this plan extends; the new version holds it whole."""
+    names = [shard_name(plan.parameters["prefix"], i) for i in plan.all_shards()]
+    present = set(store.list(work.records_dir))
+    missing = [n for n in names if work.record(n) not in present]
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ManifestError(f"{len(missing)} of {len(names)} shards are not finished yet: {shown}")
@@ -57,7 +47,7 @@ def merge(store, plan: PlanHeader, command: str, threads: int = 16) -> dict:
     class_counts: Counter = Counter()
     normalised: Counter = Counter()
     histograms = {name: Counter() for name in HISTOGRAMS}
-    read = ordered_map(lambda n: json.loads(store.get_bytes(record_name(n))), names, threads, chunk_size=1,
+    read = ordered_map(lambda n: json.loads(store.get_bytes(work.record(n))), names, threads, chunk_size=1,
                        window_per_worker=2, threads=True)
     for record in read:
         rejects += record["rejects"]
@@ -67,15 +57,40 @@ def merge(store, plan: PlanHeader, command: str, threads: int = 16) -> dict:
             counter.update({int(k): v for k, v in record[name].items()})
         shards.append({k: record[k] for k in ("name", "index", "samples", "bytes", "sha256", "index_sha256")})
     samples = sum(r["samples"] for r in shards)
-    totals = {
+    added = {
         "inputs": plan.inputs, "samples": samples, "rejected": len(rejects),
         "duplicates": plan.duplicates, "bytes": sum(r["bytes"] for r in shards), "shards": len(shards),
     }
-    if totals["inputs"] != samples + totals["rejected"] + totals["duplicates"]:
-        raise ManifestError(f"accounting does not add up: {totals}")
+    if added["inputs"] + plan.retried != samples + added["rejected"] + added["duplicates"]:
+        raise ManifestError(f"accounting does not add up: {added}, {plan.retried} retried")
+    src = plan.parameters["src"]
+    duplicates = [json.loads(line) for line in gzip.decompress(store.get_bytes(work.duplicates)).splitlines()]
+    duplicates = [{**d, "source": shown_source(d["source"], src), "duplicate_of": shown_source(d["duplicate_of"], src)}
+                  for d in duplicates]
+    history = [{"version": 1 if base is None else version_of(base) + 1, "command": command,
+                "plan_fingerprint": plan.fingerprint, "added": added,
+                **({"retried": plan.retried} if plan.retried else {})}]
+    totals = added
+    if base is not None:
+        base_rejects = jsonl_rows(store.get_bytes(work.base_rejects))
+        if plan.retried:  # every retryable reject was retried: it is a sample now, or one of `rejects`
+            base_rejects = [r for r in base_rejects if not r.get("retryable")]
+            added["rejected"] -= plan.retried
+        class_counts.update(dict(enumerate(base["class_counts"])))
+        normalised.update(base["normalised"])
+        for name, counter in histograms.items():
+            counter.update({int(k): v for k, v in base["histograms"][name].items()})
+        rejects = base_rejects + rejects
+        duplicates = jsonl_rows(store.get_bytes(work.base_duplicates)) + duplicates
+        shards = base["shards"] + shards
+        history = history_of(base) + history
+        totals = {k: base["totals"][k] + v for k, v in added.items()}
+    first = history[0]
     manifest = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "created_by": f"vitforge {__version__}",
-        "command": command, "parameters": plan.parameters, "plan_fingerprint": plan.fingerprint,
+        # The first version's definition; what each later one added is in history.
+        "command": first["command"], "parameters": base["parameters"] if base else plan.parameters,
+        "plan_fingerprint": first["plan_fingerprint"], "version": history[-1]["version"], "history": history,
         # An unlabelled dataset (sharded with --no-labels) has no classes: num_classes is null.
         "classes": plan.classes, "num_classes": len(plan.classes) if labelled(plan.parameters) else None,
         "class_counts": [class_counts.get(i, 0) for i in range(len(plan.classes))],
@@ -88,13 +103,72 @@ def merge(store, plan: PlanHeader, command: str, threads: int = 16) -> dict:
         "shards": shards,
     }
     store.put_bytes(REJECTS_NAME, _jsonl(rejects))
-    src = plan.parameters["src"]
-    duplicates = [json.loads(line) for line in gzip.decompress(store.get_bytes(DUPLICATES_PLAN)).splitlines()]
-    store.put_bytes(DUPLICATES_NAME, _jsonl(
-        [{**d, "source": shown_source(d["source"], src), "duplicate_of": shown_source(d["duplicate_of"], src)}
-         for d in duplicates]))
-    store.put_bytes(MANIFEST_NAME, json.dumps(manifest, indent=1, sort_keys=True).encode() + b"\n")
+    store.put_bytes(DUPLICATES_NAME, _jsonl(duplicates))
+    text = _manifest_bytes(manifest)
+    if base is not None and not store.exists(versioned_manifest_name(version_of(base))):
+        # A dataset made before versions were kept: its manifest becomes its version's file.
+        store.put_bytes(versioned_manifest_name(version_of(base)), _manifest_bytes(base))
+    store.put_bytes(versioned_manifest_name(manifest["version"]), text)
+    store.put_bytes(MANIFEST_NAME, text)
     return manifest
+
+
+def version_of(manifest: dict) -> int:
+    return manifest.get("version", 1)
+
+
+def history_of(manifest: dict) -> list[dict]:
+    """What each version added; for a manifest made before versions, its one version."""
+    return manifest.get("history") or [{"version": 1, "command": manifest["command"],
+                                        "plan_fingerprint": manifest["plan_fingerprint"],
+                                        "added": manifest["totals"]}]
+
+
+def jsonl_rows(data: bytes) -> list[dict]:
+    return [json.loads(line) for line in data.splitlines() if line.strip()]
+
+
+def _manifest_bytes(manifest: dict) -> bytes:
+    return json.dumps(manifest, indent=1, sort_keys=True).encode() + b"\n"
+
+
+def command_line(parameters: dict) -> str:
+    """The command that reproduces a dataset; DEST stands for the folder the manifest sits in."""
+    if parameters.get("retry_of"):
+        return "vitforge shard --retry-failed DEST"
+    image = parameters["image"]
+    args = ["vitforge", "shard", parameters["src"], "DEST", "--prefix", parameters["prefix"],
+            "--seed", str(parameters["seed"])]
+    args += ["--shard-bytes", str(parameters["shard_bytes"])] if parameters["shard_bytes"] else []
+    args += ["--shard-samples", str(parameters["shard_samples"])] if parameters["shard_samples"] else []
+    args += ["--format", image["format"], "--quality", str(image["quality"]), "--min-side", str(image["min_side"]),
+             "--max-pixels", str(image["max_pixels"])]
+    args += ["--max-side", str(image["max_side"])] if image["max_side"] else []
+    args += [] if image["validate"] else ["--no-validate"]
+    args += ["--dedup"] if parameters["dedup"] else []
+    args += ["--classes", parameters["classes_file"]] if parameters["classes_file"] else []
+    if parameters.get("url_column"):
+        args += _url_args(parameters)
+    elif parameters.get("image_column"):
+        args += ["--image-col", parameters["image_column"]]
+    else:
+        args += ["--path-column", parameters["path_column"]]
+    args += [a for column in parameters.get("meta_columns") or () for a in ("--meta-col", column)]
+    args += ["--label-column", parameters["label_column"]] if labelled(parameters) else ["--no-labels"]
+    args += ["--root", parameters["root"]] if parameters.get("root") else []
+    args += ["--follow-symlinks"] if parameters.get("follow_symlinks") else []
+    args += ["--extend"] if parameters.get("extend") else []
+    return shlex.join(display_path(a) for a in args)
+
+
+def _url_args(parameters: dict) -> list[str]:
+    download = parameters["download"]
+    args = ["--url-col", parameters["url_column"]]
+    args += ["--caption-col", parameters["caption_column"]] if parameters["caption_column"] else []
+    args += ["--max-body", str(download["max_bytes"]), "--max-redirects", str(download["max_redirects"]),
+             "--user-agent", download["user_agent"]]
+    args += [a for name in download["ignore_opt_outs"] for a in ("--ignore-opt-out", name)]
+    return args + [a for network in download["allow_networks"] for a in ("--allow-network", network)]
 
 
 HOSTS_SHOWN = 20
@@ -117,15 +191,16 @@ def labelled(parameters: dict) -> bool:
     return parameters.get("labels", True)
 
 
-def read_manifest(store) -> dict:
+def read_manifest(store, name: str = MANIFEST_NAME) -> dict:
+    """The latest version's manifest, or with `name` "dataset.vN.json" version N's."""
     try:
-        manifest = json.loads(store.get_bytes(MANIFEST_NAME))
+        manifest = json.loads(store.get_bytes(name))
     except FileNotFoundError:
-        raise ManifestError(f"{store.url(MANIFEST_NAME)}: no dataset manifest (sharding unfinished?)") from None
+        raise ManifestError(f"{store.url(name)}: no dataset manifest (sharding unfinished?)") from None
     except json.JSONDecodeError as e:
-        raise ManifestError(f"{store.url(MANIFEST_NAME)}: not valid JSON ({e.msg})") from None
+        raise ManifestError(f"{store.url(name)}: not valid JSON ({e.msg})") from None
     if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
-        raise ManifestError(f"{store.url(MANIFEST_NAME)}: not a {FORMAT} v{FORMAT_VERSION} manifest")
+        raise ManifestError(f"{store.url(name)}: not a {FORMAT} v{FORMAT_VERSION} manifest")
     return manifest
 
 

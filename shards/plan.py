@@ -25,22 +25,16 @@ import numpy as np
 
 from vitforge.core import UsageError
 
+from .digests import DigestTable, Duplicate, content_digests, within
+from .layout import FIRST, Work, shard_name
 from .parallel import ordered_map
 from .sources import Corpus, SourceRecord, read_source
 
 # Per-sample tar overhead beyond the image: three headers, the .cls and .json members, padding.
 SAMPLE_OVERHEAD = 4 * 512
-PLAN_DIR = "_work/plan"
-HEADER_NAME = f"{PLAN_DIR}/header.json"  # written last: a plan without it does not exist
-DUPLICATES_PLAN = f"{PLAN_DIR}/duplicates.jsonl.gz"
-LEGACY_PLAN_NAME = "_work/plan.json.gz"  # one file holding everything (vitforge before plan slices)
 PLAN_FORMAT = "vitforge.shard-plan"
 PLAN_FORMAT_VERSION = 2
 _CUT_CHUNK = 1 << 16  # positions turned into Python ints at a time while cutting shards
-
-
-def slice_name(part: int) -> str:
-    return f"{PLAN_DIR}/part-{part:05d}.jsonl.gz"
 
 
 @dataclass
@@ -117,7 +111,8 @@ class Inputs:
 
 @dataclass
 class PlanHeader:
-    """What every task and the merge read: small, whatever the corpus size."""
+    """What every task and the merge read: small, whatever the corpus size. An extension's plan
+    (`--extend`) numbers its shards and sample keys on from the version it extends."""
     fingerprint: str
     parameters: dict
     classes: list[str]
@@ -125,18 +120,27 @@ class PlanHeader:
     shards: int
     parts: int  # the slices were cut for this many parts
     duplicates: int
+    first_shard: int = 0  # the number of this plan's first shard
+    first_position: int = 0  # the position (sample key) of this plan's first input
+    retried: int = 0  # a retry's rows, each a reject of an earlier version (`--retry-failed`)
 
     def shard_range(self, part: int, num_parts: int) -> range:
-        return _part_range(self.shards, part, num_parts)
+        """The shard numbers `part` of `num_parts` builds."""
+        local = _part_range(self.shards, part, num_parts)
+        return range(self.first_shard + local.start, self.first_shard + local.stop)
+
+    def all_shards(self) -> range:
+        return range(self.first_shard, self.first_shard + self.shards)
 
     def slices_holding(self, shards: range) -> list[int]:
         """The slices (cut for `self.parts`) that hold any of `shards`: a task of a job resumed
         with another --num-parts reads the one or few slices that overlap its shards."""
         return [p for p in range(self.parts)
-                if (r := _part_range(self.shards, p, self.parts)) and r.start < shards.stop and shards.start < r.stop]
+                if (r := self.shard_range(p, self.parts)) and r.start < shards.stop and shards.start < r.stop]
 
     def to_bytes(self) -> bytes:
-        return json.dumps({"format": PLAN_FORMAT, "format_version": PLAN_FORMAT_VERSION, **asdict(self)},
+        fields = {k: v for k, v in asdict(self).items() if v or k not in ("first_shard", "first_position", "retried")}
+        return json.dumps({"format": PLAN_FORMAT, "format_version": PLAN_FORMAT_VERSION, **fields},
                           sort_keys=True, indent=1).encode()
 
     @staticmethod
@@ -157,7 +161,10 @@ class Plan:
     inputs: Inputs
     order: np.ndarray  # position in the shuffled plan -> row of `inputs`
     bounds: np.ndarray  # shard i holds positions bounds[i]:bounds[i + 1]
-    duplicates: list[tuple[int, int, str]]  # (row, row of the first with that content, sha256), listing order
+    duplicates: list[Duplicate]  # listing order
+    digests: DigestTable | None = None  # the kept inputs' content, when the plan deduplicated
+    first_shard: int = 0
+    first_position: int = 0
 
     @property
     def num_shards(self) -> int:
@@ -165,54 +172,59 @@ class Plan:
 
     def header(self, parts: int) -> PlanHeader:
         return PlanHeader(self.fingerprint, self.parameters, self.classes, len(self.inputs), self.num_shards,
-                          parts, len(self.duplicates))
+                          parts, len(self.duplicates), self.first_shard, self.first_position)
 
     def slice_bytes(self, part: int, parts: int) -> bytes:
         """One line per item: [shard, key, source, label, meta, problem] (meta spliced as stored)."""
         lines = []
         for shard in _part_range(self.num_shards, part, parts):
             for position in range(self.bounds[shard], self.bounds[shard + 1]):
-                lines.append(self.inputs.line(int(self.order[position]), shard, position))
+                lines.append(self.inputs.line(int(self.order[position]), self.first_shard + shard,
+                                              self.first_position + position))
         return gzip.compress(b"".join(lines), compresslevel=1, mtime=0)  # mtime=0: the same bytes each run
 
     def duplicates_bytes(self) -> bytes:
-        lines = [json.dumps({"source": self.inputs.source(row), "duplicate_of": self.inputs.source(first),
+        lines = [json.dumps({"source": self.inputs.source(row),
+                             "duplicate_of": first if isinstance(first, str) else self.inputs.source(first),
                              "sha256": digest}, sort_keys=True).encode() + b"\n"
                  for row, first, digest in self.duplicates]
         return gzip.compress(b"".join(lines), mtime=0)
 
 
-def write_plan(store, plan: Plan, parts: int, threads: int = 8) -> PlanHeader:
-    """Slices and duplicates first, the header last; at most 2 x `threads` slices in memory."""
+def write_plan(store, plan: Plan, parts: int, threads: int = 8, work: Work = FIRST) -> PlanHeader:
+    """Slices, duplicates and digests first, the header last; at most 2 x `threads` slices in memory."""
     def put(part: int) -> None:
-        store.put_bytes(slice_name(part), plan.slice_bytes(part, parts))
+        store.put_bytes(work.slice(part), plan.slice_bytes(part, parts))
 
     for _ in ordered_map(put, range(parts), threads, chunk_size=1, window_per_worker=2, threads=True):
         pass
-    store.put_bytes(DUPLICATES_PLAN, plan.duplicates_bytes())
+    store.put_bytes(work.duplicates, plan.duplicates_bytes())
+    if plan.digests is not None:
+        store.put_bytes(work.digests, plan.digests.to_bytes())
     header = plan.header(parts)
-    store.put_bytes(HEADER_NAME, header.to_bytes())
+    store.put_bytes(work.header, header.to_bytes())
     return header
 
 
-def read_header(store) -> PlanHeader | None:
+def read_header(store, work: Work = FIRST) -> PlanHeader | None:
     try:
-        return PlanHeader.from_bytes(store.get_bytes(HEADER_NAME), store.url(HEADER_NAME))
+        return PlanHeader.from_bytes(store.get_bytes(work.header), store.url(work.header))
     except FileNotFoundError:
         return None
 
 
-def load_slice(store, header: PlanHeader, part: int, num_parts: int) -> dict[int, list[PlanItem]]:
-    """The items of the shards part `part` of `num_parts` builds, shard index -> items; reads only
+def load_slice(store, header: PlanHeader, part: int, num_parts: int,
+               work: Work = FIRST) -> dict[int, list[PlanItem]]:
+    """The items of the shards part `part` of `num_parts` builds, shard number -> items; reads only
     the slices that hold them (one when `num_parts` is the planner's)."""
     owned = header.shard_range(part, num_parts)
     shards: dict[int, list[PlanItem]] = {i: [] for i in owned}
     for p in header.slices_holding(owned):
         try:
-            data = gzip.decompress(store.get_bytes(slice_name(p)))
+            data = gzip.decompress(store.get_bytes(work.slice(p)))
         except FileNotFoundError:
-            raise UsageError(f"{store.url(slice_name(p))}: a slice of a complete plan is missing; delete "
-                             f"{store.url(PLAN_DIR)} and rerun to plan again (same inputs, same plan)") from None
+            raise UsageError(f"{store.url(work.slice(p))}: a slice of a complete plan is missing; delete "
+                             f"{store.url(work.plan_dir)} and rerun to plan again (same inputs, same plan)") from None
         # One parse for the whole slice: lines hold no raw newline (JSON escapes it).
         for shard, *fields in json.loads(b"[" + data.rstrip(b"\n").replace(b"\n", b",") + b"]"):
             if shard in shards:
@@ -244,9 +256,24 @@ def make_plan(corpus: Corpus, parameters: dict, *, seed: int, shard_bytes: int |
 
 def plan_inputs(inputs: Inputs, classes: list[str], parameters: dict, *, shard_bytes: int | None,
                 shard_samples: int | None, dedup: bool, threads: int = 8,
-                read: Callable[[str], bytes] = read_source) -> Plan:
-    """`read`: how dedup gets an input's bytes (a benchmark passes synthetic content)."""
-    duplicates = deduplicate(inputs, threads, read) if dedup else []
+                read: Callable[[str], bytes] = read_source, existing: DigestTable | None = None,
+                first_shard: int = 0, first_position: int = 0) -> Plan:
+    """`read`: how dedup gets an input's bytes (a benchmark passes synthetic content). `existing`:
+    the digests of the dataset this plan extends; an input whose content it holds is a duplicate
+    of that sample, named "SHARD#KEY" (an extension always deduplicates)."""
+    duplicates: list[Duplicate] = []
+    digests = None
+    if dedup:
+        digests, valid = content_digests(len(inputs), _readable(inputs), threads, read)
+        rows = np.flatnonzero(valid)
+        if existing is not None:
+            found = existing.find(digests[rows])
+            prefix = parameters["prefix"]
+            duplicates = [(int(row), f"{shard_name(prefix, int(existing.records['shard'][at]))}#"
+                                     f"{int(existing.records['position'][at]):09d}", digests[row].tobytes().hex())
+                          for row, at in zip(rows[found >= 0], found[found >= 0])]
+            rows = rows[found < 0]
+        duplicates = sorted(duplicates + within(digests, rows), key=lambda d: d[0])
     kept = np.ones(len(inputs), dtype=bool)
     kept[[row for row, _, _ in duplicates]] = False
     rows = np.flatnonzero(kept)
@@ -255,7 +282,13 @@ def plan_inputs(inputs: Inputs, classes: list[str], parameters: dict, *, shard_b
     order = rows[np.lexsort((keys[:, 1], keys[:, 0]))]
     del keys
     bounds = _cut(np.frombuffer(inputs.sizes, dtype=np.int64), order, shard_bytes, shard_samples)
-    return Plan(fingerprint(parameters), parameters, classes, inputs, order, bounds, duplicates)
+    table = None
+    if digests is not None:
+        positions = np.flatnonzero(valid[order])
+        shards = np.searchsorted(bounds, positions, side="right") - 1
+        table = DigestTable.of(digests[order[positions]], first_shard + shards, first_position + positions)
+    return Plan(fingerprint(parameters), parameters, classes, inputs, order, bounds, duplicates, table,
+                first_shard, first_position)
 
 
 def _cut(sizes: np.ndarray, order: np.ndarray, shard_bytes: int | None, shard_samples: int | None) -> np.ndarray:
@@ -285,33 +318,13 @@ def _shuffle_key(seed: bytes, name: str) -> bytes:
     return hashlib.blake2b(name.encode("utf-8", "surrogateescape"), key=seed, digest_size=16).digest()
 
 
-def deduplicate(inputs: Inputs, threads: int, read: Callable[[str], bytes] = read_source) -> list[tuple[int, int, str]]:
-    """Exact duplicates by content sha256, the first in listing order kept: (row, row kept, sha256
-    hex) in listing order. Costs 33 bytes per input (digests in one array, grouped by sorting)
-    and at most 2 x `threads` reads in flight."""
-    def digest(row: int) -> bytes | None:
-        if row in inputs.problems:
-            return None
-        try:
-            return hashlib.sha256(read(inputs.source(row))).digest()
-        except OSError:
-            return None  # unreadable: it will be rejected with its cause when packed
+def deduplicate(inputs: Inputs, threads: int, read: Callable[[str], bytes] = read_source) -> list[Duplicate]:
+    """Exact duplicates by content sha256 within `inputs`, the first in listing order kept: (row,
+    row kept, sha256 hex) in listing order."""
+    digests, valid = content_digests(len(inputs), _readable(inputs), threads, read)
+    return within(digests, np.flatnonzero(valid))
 
-    digests = np.zeros((len(inputs), 32), dtype=np.uint8)
-    valid = np.zeros(len(inputs), dtype=bool)
-    reads = ordered_map(digest, range(len(inputs)), threads, chunk_size=1, window_per_worker=2, threads=True)
-    for row, d in enumerate(reads):
-        if d is not None:
-            digests[row] = np.frombuffer(d, dtype=np.uint8)
-            valid[row] = True
-    rows = np.flatnonzero(valid)
-    if len(rows) < 2:
-        return []
-    words = digests[rows].view(">u8")  # (M, 4): sorting by them sorts by the digest
-    order = np.lexsort(tuple(words[:, i] for i in range(3, -1, -1)))  # stable: ties in listing order
-    ordered = words[order]
-    same = np.concatenate(([False], np.all(ordered[1:] == ordered[:-1], axis=1)))
-    group_start = np.maximum.accumulate(np.where(same, 0, np.arange(len(order))))
-    dup_rows, first_rows = rows[order[same]], rows[order[group_start[same]]]
-    listing = np.argsort(dup_rows, kind="stable")
-    return [(int(r), int(f), digests[r].tobytes().hex()) for r, f in zip(dup_rows[listing], first_rows[listing])]
+
+def _readable(inputs: Inputs) -> Callable[[int], str | None]:
+    """A row's source to hash, or None for a row with a problem (rejected with it when packed)."""
+    return lambda row: None if row in inputs.problems else inputs.source(row)

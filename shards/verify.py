@@ -123,6 +123,10 @@ def info(dest: str) -> str:
         f" median {_human(statistics.median(sizes) if sizes else 0)},"
         f" max {_human(sizes[-1] if sizes else 0)}",
     ]
+    if manifest.get("version", 1) > 1:
+        lines.append(f"versions     {manifest['version']} (each one's manifest: dataset.vN.json)")
+        lines += [f"  v{h['version']}: +{h['added']['samples']} samples, +{h['added']['shards']} shards: {h['command']}"
+                  for h in manifest["history"]]
     lines += ["shard size histogram:"] + _histogram(sizes)
     lines += ["image size histogram (samples per band):"] + _bands(manifest["histograms"]["image_bytes"], _human)
     lines += ["shorter side histogram (samples per band):"] + _bands(manifest["histograms"]["short_side"],

@@ -19,8 +19,9 @@ def tree_bytes(root: Path) -> dict[str, bytes]:
 
 
 def without_plan(tree: dict[str, bytes]) -> dict[str, bytes]:
-    """An output tree (tree_bytes) but the plan's slices and header, which are cut for the job's part count."""
-    return {name: data for name, data in tree.items() if not name.startswith("_work/plan/")}
+    """An output tree (tree_bytes) but the plans' slices and headers (of every version), which are cut
+    for the job's part count."""
+    return {name: data for name, data in tree.items() if not (name.startswith("_work/") and "plan/" in name)}
 
 
 def dataset_samples(out: Path) -> list[dict]:

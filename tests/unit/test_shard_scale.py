@@ -18,8 +18,9 @@ from common.checks import tree_bytes, without_plan
 from common.cli import REPO
 from vitforge.core import open_store
 from vitforge.shards import ShardJob, ensure_plan
-from vitforge.shards.plan import (HEADER_NAME, SAMPLE_OVERHEAD, Inputs, deduplicate, load_slice, plan_inputs,
-                                  read_header, slice_name, write_plan)
+from vitforge.shards.layout import FIRST
+from vitforge.shards.plan import (SAMPLE_OVERHEAD, Inputs, deduplicate, load_slice, plan_inputs, read_header,
+                                  write_plan)
 from vitforge.shards.sources import SourceRecord
 
 
@@ -79,7 +80,7 @@ def test_a_task_reads_only_the_slices_of_its_shards(small_corpus, tmp_path):
     ensure_plan(ShardJob(str(small_corpus), str(out), shard_samples=16, num_parts=3))
     assert read_header(open_store(str(out))).shards == 8  # parts own shards 0-1, 2-4, 5-7
     for part in (0, 2):
-        os.unlink(out / slice_name(part))
+        os.unlink(out / FIRST.slice(part))
     # Resumed with another part count, a task reads the slices overlapping its shards: shard 3 lies in slice 1.
     assert "built 1 shards, 0 already complete" in run_part(small_corpus, out, "--num-parts", "8", "--part", "3").stdout
     assert "built 2 shards, 1 already complete" in run_part(small_corpus, out, "--num-parts", "3", "--part", "1").stdout
@@ -119,14 +120,14 @@ def test_killed_while_planning_leaves_no_plan_that_looks_complete(tmp_path):
     planner = subprocess.Popen([sys.executable, "-c", "import sys; from vitforge.shards import ShardJob, ensure_plan; "
                                 f"ensure_plan(ShardJob({job.src!r}, {job.dest!r}, shard_samples=10, shard_bytes=None, "
                                 "num_parts=2000))"], cwd=REPO)
-    first_slice = tmp_path / "out" / slice_name(0)
+    first_slice = tmp_path / "out" / FIRST.slice(0)
     deadline = time.monotonic() + 120
     while not first_slice.exists() and planner.poll() is None and time.monotonic() < deadline:
         time.sleep(0.002)
     planner.send_signal(signal.SIGKILL)
     planner.wait()
     store = open_store(job.dest)
-    assert first_slice.exists() and not store.exists(HEADER_NAME), "the kill did not land while slices were written"
+    assert first_slice.exists() and not store.exists(FIRST.header), "the kill did not land while slices were written"
     assert read_header(store) is None
     # The next run takes the dead planner's claim over at once (same host, pid gone) and plans again.
     started = time.monotonic()
@@ -136,19 +137,19 @@ def test_killed_while_planning_leaves_no_plan_that_looks_complete(tmp_path):
 
 
 def test_a_planner_thought_dead_leaves_the_claim_of_the_task_that_took_over(tmp_path):
-    from vitforge.shards.build import CLAIM_NAME, _plan_claimed
+    from vitforge.shards.build import _plan_claimed
 
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"path": f"img/{i:06d}.jpg", "label": i % 10}) + "\n" for i in range(50)))
     job = ShardJob(str(rows), str(tmp_path / "out"), shard_samples=10, shard_bytes=None, num_parts=2)
     store = open_store(job.dest)
-    mine = store.put_if(CLAIM_NAME, json.dumps({"part": 0, "host": "node-1", "pid": 1, "beat": 0}).encode(), None)
+    mine = store.put_if(FIRST.claim, json.dumps({"part": 0, "host": "node-1", "pid": 1, "beat": 0}).encode(), None)
     # While this task plans, another judges it dead (no renewal seen in time) and takes the claim over.
     theirs = json.dumps({"part": 1, "host": "node-2", "pid": 1, "beat": 0}).encode()
-    store.put_if(CLAIM_NAME, theirs, mine)
-    header = _plan_claimed(job, store, mine)
+    store.put_if(FIRST.claim, theirs, mine)
+    header = _plan_claimed(job, store, mine, None)
     # The claim stays the other task's (it deletes it when its own plan is written), not this one's to delete.
-    assert header.shards == 5 and store.get_versioned(CLAIM_NAME)[0] == theirs
+    assert header.shards == 5 and store.get_versioned(FIRST.claim)[0] == theirs
 
 
 def test_a_waiting_task_gives_up_at_its_deadline_naming_the_planner(small_corpus, tmp_path):
