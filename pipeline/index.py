@@ -149,7 +149,8 @@ class DatasetIndex:
         else:
             subset = Subset(size, seed, subset_counts(full, size, seed))
         index = DatasetIndex(whole.shard_urls, subset.counts, whole.num_classes, whole.labelled, whole.classes,
-                             whole.max_pixels, whole.shard_sha256, whole.shard_bytes, subset, whole.index_text, whole)
+                             whole.max_pixels, whole.shard_sha256, whole.shard_bytes, subset, whole.index_text, whole,
+                             version=whole.version)
         for shard, samples in whole.loaded.items():  # tars without dataset.json: loaded at start
             index.loaded[shard] = samples.rows(subset.rows(full, shard))
         return index

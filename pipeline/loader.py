@@ -129,20 +129,25 @@ class Loader:
 
     def _extended_since(self, state: dict) -> bool:
         """Refuse a position saved on another version of this dataset, or with data.resume_extended
-        take the next epoch over this version (True: the state is loaded)."""
+        take the next epoch over this version (True: the state is loaded). A state from before
+        versions were recorded counts as another version when the dataset is extended and its
+        sample count differs."""
         saved, mine = state.get("dataset_version"), self._version()
-        if saved is None or mine is None or saved == mine:
+        if mine is None or saved == mine:
+            return False
+        if saved is None and not (mine > 1 and state["num_samples"] != self.num_samples):
             return False
         if not self.spec.resume_extended:
+            pin = f"dataset.v{saved}.json" if saved else "dataset.vN.json of the version it read"
             raise CheckpointError(
                 f"{self.spec.dataset} is version {mine} of its dataset, and this run's position was saved on "
-                f"version {saved}: resuming would change the sample order. Name the version the run read "
-                f"(data.train=FOLDER/dataset.v{saved}.json), or set data.resume_extended=true to go on over "
-                f"version {mine} from the next epoch")
+                f"version {saved or 'unknown (before versions were recorded)'}: resuming would change the sample "
+                f"order. Name the version the run read (data.train=FOLDER/{pin}), or set "
+                f"data.resume_extended=true to go on over version {mine} from the next epoch")
         if state["seed"] != self.spec.seed:
             raise CheckpointError(f"loader state has seed={state['seed']}, this loader has {self.spec.seed}")
         self.epoch, self.consumed = state["epoch"] + (1 if state["consumed"] else 0), 0
-        log.warning("resuming on version %d of %s (the position was saved on version %d): from the start of "
+        log.warning("resuming on version %d of %s (the position was saved on version %s): from the start of "
                     "epoch %d, as data.resume_extended asks", mine, self.spec.dataset, saved, self.epoch)
         return True
 

@@ -27,10 +27,10 @@ from .extend import Extension, existing_digests, open_extension
 from .hf_parquet import EmbeddedImages, embedded_row, row_reader
 from .images import ImageOptions
 from .layout import FIRST, MANIFEST_NAME, Work, shard_name
-from .manifest import HISTOGRAMS, ManifestError, command_line, merge, read_manifest, version_of
+from .manifest import HISTOGRAMS, ManifestError, command_line, history_of, merge, read_manifest, version_of
 from .parallel import ordered_map
 from .plan import Inputs, PlanHeader, PlanItem, fingerprint, load_slice, plan_inputs, read_header, write_plan
-from .retry import download_options, retry_parameters, write_retry_plan
+from .retry import write_retry_plan
 from .samples import to_sample
 from .sources import list_corpus, load_class_names, read_source
 from .tarfile_writer import TarShardWriter, index_path_for
@@ -128,19 +128,6 @@ class PartResult:
     manifest: dict | None  # the dataset manifest, once every part is done
 
 
-def retry_job(dest: str, timing: DownloadOptions, **execution) -> ShardJob:
-    """The job of `vitforge shard --retry-failed DEST`: the latest version's retryable rejects,
-    with the settings of the URL list they were listed from."""
-    store = open_store(dest)
-    p = retry_parameters(store, dest)
-    return ShardJob(src=p["src"], dest=dest, prefix=p["prefix"], seed=p["seed"], shard_bytes=None,
-                    image=ImageOptions(**p["image"]), labels=p["labels"], url_column=p["url_column"],
-                    caption_column=p["caption_column"],
-                    meta_columns=None if p["meta_columns"] is None else tuple(p["meta_columns"]),
-                    download=download_options(p, timing), extend=True,
-                    retry_of=version_of(read_manifest(store)), **execution)
-
-
 def merge_parts(dest: str) -> dict:
     """`vitforge shard merge`: combine the records of every part into dataset.json (of the
     extension under way, when the latest version has one)."""
@@ -178,20 +165,23 @@ def run(job: ShardJob) -> PartResult:
         _build_shards(job, [shards[i] for i in todo], tuple(header.classes), store, [names[i] for i in todo], work)
     manifest = None
     if len(set(store.list(work.records_dir))) >= header.shards:
-        manifest = merge(store, header, command_line(header.parameters), work=work,
-                         base=extension.base if extension else None)
+        manifest = _merged(store, header) or merge(store, header, command_line(header.parameters), work=work,
+                                                   base=extension.base if extension else None)
     store.finish()
     return PartResult(len(todo), len(owned) - len(todo), len(owned), manifest)
 
 
+def _merged(store, header: PlanHeader) -> dict | None:
+    """dataset.json, when it holds this plan's version already: a late task of a finished job
+    merges nothing (merging version 1 again would hide the versions added since)."""
+    if not store.exists(MANIFEST_NAME):
+        return None
+    manifest = read_manifest(store)
+    return manifest if any(h["plan_fingerprint"] == header.fingerprint for h in history_of(manifest)) else None
+
+
 def _extension(job: ShardJob, store) -> Extension:
-    extension = open_extension(store, job.dest, job.output_parameters(), fingerprint(job.output_parameters()))
-    if job.verify_existing and not extension.done:
-        _, problems = verify(job.dest, job.workers)
-        if problems:
-            raise UsageError(f"{job.dest}: the dataset to extend fails verification ({len(problems)} problems), "
-                             f"first: {problems[0]}")
-    return extension
+    return open_extension(store, job.dest, job.output_parameters(), fingerprint(job.output_parameters()))
 
 
 def ensure_plan(job: ShardJob, store=None, extension: Extension | None = None) -> PlanHeader:
@@ -211,7 +201,7 @@ def ensure_plan(job: ShardJob, store=None, extension: Extension | None = None) -
     while True:
         header = read_header(store, work)
         if header is not None:
-            return _checked(job, header)
+            return _checked(job, header, work)
         if store.exists(work.legacy_plan):
             raise UsageError(f"{job.dest} was started by an older vitforge (it holds {work.legacy_plan}): finish it "
                              "with that version, or shard into a new destination")
@@ -236,20 +226,30 @@ def ensure_plan(job: ShardJob, store=None, extension: Extension | None = None) -
 def _plan_claimed(job: ShardJob, store, version: str, extension: Extension | None) -> PlanHeader:
     work = extension.work if extension else FIRST
     header = read_header(store, work)  # the previous holder may have finished between our reads
-    if header is None:
-        with _heartbeat(job, store, version, work) as held:
-            header = _make_plan(job, store, extension)
-        version = held[0]
-    # Only a claim still ours is deleted: one a task took over while this one was thought dead is
-    # that task's until it finishes its plan. A local store's compare-and-swap leaves a lock file
-    # beside the claim; the plan needs neither now.
+    held = [version]
+    try:
+        if header is None:
+            with _heartbeat(job, store, version, work) as held:
+                header = _make_plan(job, store, extension)
+    finally:  # a planner that fails (bad input) releases the claim too: no task waits out its staleness
+        _release(store, work, held[0])
+    return _checked(job, header, work)
+
+
+def _release(store, work: Work, version: str | None) -> None:
+    """Only a claim still ours is deleted: one a task took over while this one was thought dead is
+    that task's until it finishes its plan. A local store's compare-and-swap leaves a lock file
+    beside the claim; the plan needs neither now."""
     claim = store.get_versioned(work.claim)
     if claim is not None and claim[1] == version:
         store.delete([work.claim, f"{work.claim}.lock"])
-    return _checked(job, header)
 
 
-def _checked(job: ShardJob, header: PlanHeader) -> PlanHeader:
+def _checked(job: ShardJob, header: PlanHeader, work: Work) -> PlanHeader:
+    if header.fingerprint != fingerprint(job.output_parameters()) and work != FIRST:
+        raise UsageError(f"{job.dest} has an unfinished extension, planned in {work.root}/ by "
+                         f"`{command_line(header.parameters)}`: finish it by running that command again, or abandon "
+                         f"it by deleting {work.root}/ (the next extension writes its shard numbers anew)")
     if header.fingerprint != fingerprint(job.output_parameters()):
         changed = sorted(k for k, v in job.output_parameters().items() if header.parameters.get(k) != v)
         hint = "" if job.extend else ", or --extend to add SRC to a finished dataset as a new version"
@@ -261,6 +261,11 @@ def _checked(job: ShardJob, header: PlanHeader) -> PlanHeader:
 def _make_plan(job: ShardJob, store, extension: Extension | None) -> PlanHeader:
     started = time.monotonic()
     if extension is not None:
+        if job.verify_existing:
+            _, problems = verify(job.dest, job.workers)
+            if problems:
+                raise UsageError(f"{job.dest}: the dataset to extend fails verification ({len(problems)} problems), "
+                                 f"first: {problems[0]}")
         extension.snapshot(store)
     if job.retry_of is not None:
         header = write_retry_plan(store, extension, job.output_parameters(), job.shard_samples)

@@ -7,14 +7,16 @@ import logging
 import os
 import re
 
-from vitforge.core import scheduler_env, setup_logging
+from vitforge.core import open_store, scheduler_env, setup_logging
 from vitforge.core.cli_args import bounded, non_negative_int, positive_float, positive_int
 from vitforge.core.errors import CHECK_FAILED
 
-from .build import PartResult, ShardJob, merge_parts, retry_job, run
+from .build import PartResult, ShardJob, merge_parts, run
 from .download import USER_AGENT, DownloadOptions
 from .images import ImageOptions
+from .manifest import added
 from .optouts import OPT_OUTS
+from .retry import retry_settings
 from .url_guard import parse_networks
 from .verify import info, verify
 
@@ -233,9 +235,9 @@ def _timing(args: argparse.Namespace, **output) -> DownloadOptions:
 def _retry(argv: list[str]) -> int:
     args = _retry_parser().parse_args(argv)
     logging.getLogger().setLevel(args.log_level)
-    job = retry_job(args.dest, _timing(args), shard_samples=args.shard_samples, workers=args.workers,
-                    num_parts=args.num_parts, part=_part_from_env() if args.part is None else args.part,
-                    plan_wait_s=args.plan_wait)
+    job = ShardJob(dest=args.dest, **retry_settings(open_store(args.dest), args.dest, _timing(args)),
+                   shard_samples=args.shard_samples, workers=args.workers, num_parts=args.num_parts,
+                   part=_part_from_env() if args.part is None else args.part, plan_wait_s=args.plan_wait)
     return _report(job, run(job), args.dest)
 
 
@@ -287,10 +289,8 @@ def _summary(manifest: dict, dest: str) -> str:
     lines = [f"{t['inputs']} inputs = {t['samples']} packed + {t['rejected']} rejected + {t['duplicates']} duplicates",
              f"{t['shards']} shards, {t['bytes']} bytes, {_classes(manifest)} -> {dest}"]
     if manifest.get("version", 1) > 1:
-        a = manifest["history"][-1]["added"]
-        lines.append(f"version {manifest['version']} (dataset.v{manifest['version']}.json) added {a['inputs']} inputs "
-                     f"= {a['samples']} packed + {a['rejected']} rejected + {a['duplicates']} duplicates, "
-                     f"{a['shards']} shards")
+        version = manifest["version"]
+        lines.append(f"version {version} (dataset.v{version}.json) {added(manifest['history'][-1])}")
     if manifest["rejects_by_reason"]:
         reasons = ", ".join(f"{k} {v}" for k, v in manifest["rejects_by_reason"].items())
         lines.append(f"rejected: {reasons} (details in rejects.jsonl)")

@@ -24,8 +24,9 @@ from vitforge.core import UsageError
 
 from .digests import DigestTable
 from .layout import DUPLICATES_NAME, MANIFEST_NAME, REJECTS_NAME, Work
-from .manifest import ManifestError, history_of, read_manifest, version_of
+from .manifest import ManifestError, history_of, jsonl_rows, read_manifest, version_of
 from .parallel import ordered_map
+from .plan import read_header
 from .tarfile_writer import split_name
 
 log = logging.getLogger("vitforge.shard")
@@ -87,8 +88,8 @@ def open_extension(store, dest: str, parameters: dict, fingerprint: str) -> Exte
             raise UsageError(f"{dest}: no finished dataset to extend (no {MANIFEST_NAME}); shard into it without "
                              "--extend first, or finish that run") from None
         raise
-    if history_of(base)[-1]["plan_fingerprint"] == fingerprint:
-        return Extension(base, Work.of(version_of(base)), done=True)
+    if any(entry["plan_fingerprint"] == fingerprint for entry in history_of(base)):
+        return Extension(base, Work.of(version_of(base)), done=True)  # this extension is in it already
     differ = [key for key in KEPT if base["parameters"].get(key) != parameters[key]]
     if differ:
         shown = "; ".join(f"{key}: {base['parameters'].get(key)!r} in the dataset, {parameters[key]!r} here"
@@ -98,13 +99,19 @@ def open_extension(store, dest: str, parameters: dict, fingerprint: str) -> Exte
 
 
 def existing_digests(store, base: dict, url_list: bool, workers: int) -> DigestTable:
-    """The content digests of every sample the dataset planned: each version's kept digests, or
-    for a version that kept none, its shards' recorded sha256s (the URLs' for a URL list)."""
+    """The digests of every sample in the dataset of the kind this extension compares: URLs for a
+    URL list, contents otherwise (a version of the other kind is not compared). Each version's kept
+    digests, or for a version that kept none, its shards' recorded sha256s (or URLs). Rows that are
+    rejects are left out (a URL that timed out may be listed again); the latest version comes first,
+    so a row a retry packed is named where it is now."""
     tables, first = [], 0
     for entry in history_of(base):
         shards = range(first, first + entry["added"]["shards"])
         first = shards.stop
         work = Work.of(entry["version"])
+        header = read_header(store, work)
+        if bool((header.parameters if header else base["parameters"]).get("url_column")) != url_list:
+            continue
         if store.exists(work.digests):
             tables.append(DigestTable.from_bytes(store.get_bytes(work.digests)))
             continue
@@ -113,7 +120,9 @@ def existing_digests(store, base: dict, url_list: bool, workers: int) -> DigestT
         rows = ordered_map(lambda shard: _shard_digests(store, base["shards"][shard]["name"], shard, url_list),
                            shards, workers, chunk_size=1, window_per_worker=2, threads=True)
         tables += list(rows)
-    return DigestTable.concat(tables)
+    table = DigestTable.concat(tables[::-1])
+    rejected = np.array([int(row["key"]) for row in jsonl_rows(store.get_bytes(REJECTS_NAME))], dtype=np.uint64)
+    return DigestTable(table.records[~np.isin(table.records["position"], rejected)])
 
 
 def _shard_digests(store, name: str, shard: int, url_list: bool) -> DigestTable:
@@ -125,6 +134,8 @@ def _shard_digests(store, name: str, shard: int, url_list: bool) -> DigestTable:
             if ext != "json":
                 continue
             info = json.loads(tar.extractfile(member).read())
+            if url_list and "url" not in info:
+                continue
             digest = hashlib.sha256(info["url"].encode()).digest() if url_list else bytes.fromhex(info["sha256"])
             digests.append(np.frombuffer(digest, dtype=np.uint8))
             positions.append(int(key))

@@ -69,7 +69,8 @@ def merge(store, plan: PlanHeader, command: str, threads: int = 16, work: Work =
                   for d in duplicates]
     history = [{"version": 1 if base is None else version_of(base) + 1, "command": command,
                 "plan_fingerprint": plan.fingerprint, "added": added,
-                **({"retried": plan.retried} if plan.retried else {})}]
+                **({"retried": plan.retried} if plan.retried else {}),
+                **({"array_job": plan.job} if plan.job else {})}]
     totals = added
     if base is not None:
         base_rejects = jsonl_rows(store.get_bytes(work.base_rejects))
@@ -111,6 +112,16 @@ def merge(store, plan: PlanHeader, command: str, threads: int = 16, work: Work =
     store.put_bytes(versioned_manifest_name(manifest["version"]), text)
     store.put_bytes(MANIFEST_NAME, text)
     return manifest
+
+
+def added(entry: dict) -> str:
+    """What one version of the history added, in words."""
+    a = entry["added"]
+    if entry.get("retried"):
+        return (f"retried {entry['retried']} rejects: {a['samples']} packed now, "
+                f"{entry['retried'] - a['samples']} still rejected, {a['shards']} shards")
+    return (f"added {a['inputs']} inputs = {a['samples']} packed + {a['rejected']} rejected + {a['duplicates']} "
+            f"duplicates, {a['shards']} shards")
 
 
 def version_of(manifest: dict) -> int:

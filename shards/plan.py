@@ -123,6 +123,7 @@ class PlanHeader:
     first_shard: int = 0  # the number of this plan's first shard
     first_position: int = 0  # the position (sample key) of this plan's first input
     retried: int = 0  # a retry's rows, each a reject of an earlier version (`--retry-failed`)
+    job: str | None = None  # the array job that planned a retry ("slurm:1234"), so its late tasks know it
 
     def shard_range(self, part: int, num_parts: int) -> range:
         """The shard numbers `part` of `num_parts` builds."""
@@ -139,7 +140,8 @@ class PlanHeader:
                 if (r := self.shard_range(p, self.parts)) and r.start < shards.stop and shards.start < r.stop]
 
     def to_bytes(self) -> bytes:
-        fields = {k: v for k, v in asdict(self).items() if v or k not in ("first_shard", "first_position", "retried")}
+        optional = ("first_shard", "first_position", "retried", "job")  # absent from a first version's header
+        fields = {k: v for k, v in asdict(self).items() if v or k not in optional}
         return json.dumps({"format": PLAN_FORMAT, "format_version": PLAN_FORMAT_VERSION, **fields},
                           sort_keys=True, indent=1).encode()
 

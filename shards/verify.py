@@ -13,7 +13,7 @@ import tempfile
 from vitforge.core import open_store, sha256_file
 
 from .images import Rejected, check_decodes
-from .manifest import read_manifest
+from .manifest import added, read_manifest
 from .parallel import ordered_map
 from .tarfile_writer import SAMPLE_IMAGE_EXTS, format_dali_index, index_entry, split_name
 
@@ -125,8 +125,7 @@ def info(dest: str) -> str:
     ]
     if manifest.get("version", 1) > 1:
         lines.append(f"versions     {manifest['version']} (each one's manifest: dataset.vN.json)")
-        lines += [f"  v{h['version']}: +{h['added']['samples']} samples, +{h['added']['shards']} shards: {h['command']}"
-                  for h in manifest["history"]]
+        lines += [f"  v{h['version']}: {added(h)}: {h['command']}" for h in manifest["history"]]
     lines += ["shard size histogram:"] + _histogram(sizes)
     lines += ["image size histogram (samples per band):"] + _bands(manifest["histograms"]["image_bytes"], _human)
     lines += ["shorter side histogram (samples per band):"] + _bands(manifest["histograms"]["short_side"],

@@ -84,6 +84,16 @@ def test_two_steps_read_as_one_and_the_old_shards_stay(corpora, tmp_path):
     assert tree_bytes(two) == after and "version 2 (dataset.v2.json)" in again.stdout
     assert "versions     2" in vitforge("shard", "info", two).stdout
     assert vitforge("shard", "verify", two).stdout.rstrip().endswith("40 samples: all good")
+    # A late run of the first command merges nothing: version 2 stays what readers see.
+    shard(corpora["a"], two)
+    assert tree_bytes(two) == after
+    # Once a third version is added, running the second's command again adds nothing either.
+    third = corpora["root"] / "third"
+    shutil.copytree(corpora["b"] / "aardvark", third / "aardvark", dirs_exist_ok=True)
+    (third / "aardvark" / "img_00000.jpg").write_bytes(_jpeg(3))
+    assert "version 3 (dataset.v3.json) added 10 inputs = 1 packed + 0 rejected + 9 duplicates" in shard(third, two, "--extend").stdout
+    shard(corpora["b"], two, "--extend")
+    assert json.loads((two / "dataset.json").read_text())["version"] == 3
 
 
 @pytest.mark.parametrize("first_dedup", [True, False], ids=["digests-kept", "digests-from-shards"])
@@ -131,6 +141,16 @@ def test_a_pinned_reader_keeps_the_old_set_and_a_resume_across_versions_is_refus
                                     resume_extended=True))
     asked.load_state_dict({**saved, "epoch": 3, "consumed": 8})
     assert (asked.epoch, asked.consumed, asked.num_samples) == (4, 0, 40)
+    # A subset of the dataset is of its version too; a state saved before versions were recorded
+    # counts as another version when the sample count changed.
+    subset = build_loader(LoaderSpec(str(out), batch_size=4, image_size=32, backend="torch", workers=0, subset=8))
+    with pytest.raises(Exception, match="saved on version 1"):
+        subset.load_state_dict({**subset.state_dict(), "dataset_version": 1})
+    unversioned = {k: v for k, v in saved.items() if k != "dataset_version"}
+    with pytest.raises(Exception, match="saved on version unknown"):
+        build_loader(spec).load_state_dict(unversioned)
+    asked.load_state_dict({**unversioned, "epoch": 3, "consumed": 8})
+    assert (asked.epoch, asked.consumed) == (4, 0)
     batch = next(iter(asked))
     assert len(batch["label"]) == 4
 
@@ -164,6 +184,12 @@ def test_bad_extensions_are_refused_naming_the_cause(corpora, tmp_path):
     assert alone.returncode == errors.USAGE and "give --extend too" in alone.stderr
     plain = shard(corpora["b"], out, check=False)
     assert plain.returncode == errors.USAGE and "or --extend to add SRC" in plain.stderr
+    # An extension under way is finished or abandoned before another starts.
+    shard(corpora["b"], out, "--extend", "--num-parts", "2", "--part", "0")
+    other = shard(corpora["whole"], out, "--extend", check=False)
+    assert other.returncode == errors.USAGE and "has an unfinished extension, planned in _work/v2/ by `vitforge " \
+        "shard" in other.stderr and "--extend`: finish it by running that command again" in other.stderr
+    shutil.rmtree(out / "_work" / "v2")
     damaged = out / "train-000001.tar"
     data = bytearray(damaged.read_bytes())
     data[600] ^= 0xFF
@@ -212,8 +238,16 @@ def test_retry_failed_downloads_the_retryable_rejects_again_under_their_keys(cor
         first = vitforge("shard", urls, out, *listing, *fetch)
         assert "7 inputs = 4 packed + 3 rejected" in first.stdout, first.stdout
         keys = {r["source"].split("/", 3)[3]: r["key"] for r in map(json.loads, (out / "rejects.jsonl").open())}
-        retried = vitforge("shard", "--retry-failed", out, *fetch)
+        # As a 3-task array: the last task owns the one shard, builds and merges; the first starts
+        # late and finds its job's retry merged (it starts no other).
+        array = {"SLURM_JOB_ID": "501", "SLURM_ARRAY_JOB_ID": "500", "SLURM_ARRAY_TASK_MIN": "0"}
+        retried = vitforge("shard", "--retry-failed", out, *fetch, "--num-parts", "3",
+                           env={**array, "SLURM_ARRAY_TASK_ID": "2"})
         assert "7 inputs = 5 packed + 2 rejected + 0 duplicates" in retried.stdout, retried.stdout
+        late = vitforge("shard", "--retry-failed", out, *fetch, "--num-parts", "3",
+                        env={**array, "SLURM_JOB_ID": "503", "SLURM_ARRAY_TASK_ID": "0"})
+        assert "built 0 shards" in late.stdout and "version 2 (dataset.v2.json) retried 2 rejects: 1 packed now, " \
+            "1 still rejected" in late.stdout, late.stdout
         manifest = json.loads((out / "dataset.json").read_text())
         assert manifest["version"] == 2 and manifest["history"][-1]["retried"] == 2
         assert manifest["history"][-1]["command"] == "vitforge shard --retry-failed DEST"
@@ -225,14 +259,23 @@ def test_retry_failed_downloads_the_retryable_rejects_again_under_their_keys(cor
         assert "7 inputs = 5 packed + 2 rejected" in again.stdout
         assert json.loads((out / "dataset.json").read_text())["history"][-1]["retried"] == 1
         assert len(server.paths("/stalled/")) == 3 and len(server.paths("/flaky/")) == 2
+        # Another list: a URL already packed is a duplicate; one that timed out (a reject) is fetched again.
         more = tmp_path / "more.jsonl"
-        more.write_text("".join(json.dumps({"url": f"{server.url}/img/g{i}.jpg", "label": 1}) + "\n" for i in (0, 5)))
+        more.write_text("".join(json.dumps({"url": f"{server.url}/{r}", "label": 1}) + "\n"
+                                for r in ("img/g0.jpg", "img/g5.jpg", "stalled/g5.jpg")))
         extended = vitforge("shard", more, out, *listing, "--extend", *fetch)
-        assert "9 inputs = 6 packed + 2 rejected + 1 duplicates" in extended.stdout, extended.stdout
+        assert "10 inputs = 6 packed + 3 rejected + 1 duplicates" in extended.stdout, extended.stdout
+        assert len(server.paths("/stalled/")) == 4
+        # A folder dataset takes a URL list as an extension (URLs compare with URLs only).
+        folder = tmp_path / "folder"
+        shard(corpora["a"], folder)
+        mixed = vitforge("shard", more, folder, *listing, "--extend", *fetch)
+        assert "added 3 inputs = 2 packed + 1 rejected + 0 duplicates" in mixed.stdout, mixed.stdout
     finally:
         server.stop()
-    folder = tmp_path / "folder"
-    shard(corpora["a"], folder)
-    refused = vitforge("shard", "--retry-failed", folder, check=False)
+    refused = vitforge("shard", "--retry-failed", tmp_path / "plain", check=False)
+    assert refused.returncode == errors.USAGE and "dataset.json: no dataset manifest" in refused.stderr
+    shard(corpora["a"], tmp_path / "plain")
+    refused = vitforge("shard", "--retry-failed", tmp_path / "plain", check=False)
     assert refused.returncode == errors.USAGE and "no version of this dataset was sharded from a URL list" in \
         refused.stderr
