@@ -106,13 +106,10 @@ class Loader:
                                       f"data.partitions={self.spec.partitions} would change the order mid-run")
             self.partitions = partitions
             self._warn_if_spread()
+        self._same(state, "seed", self.spec.seed)
         if self._extended_since(state):
             return
-        for name in ("seed", "num_samples"):
-            mine = self.spec.seed if name == "seed" else self.num_samples
-            if state[name] != mine:
-                raise CheckpointError(f"loader state has {name}={state[name]}, this loader has {mine}: "
-                                 "a different dataset or seed cannot resume this position")
+        self._same(state, "num_samples", self.num_samples)
         if (state["world_size"], state["batch_size"]) != (self.world_size, self.spec.batch_size):
             log.info("resuming at %d ranks x %d per batch a position saved at %d x %d: exact, from position %d",
                      self.world_size, self.spec.batch_size, state["world_size"], state["batch_size"],
@@ -123,6 +120,12 @@ class Loader:
                      "ranked over the whole dataset once (O(samples), at this start only)")
             self.index = self.backend.index = self.index.with_subset(self.spec.subset, self.spec.seed, ranked=True)
         self.epoch, self.consumed = state["epoch"], state["consumed"]
+
+    @staticmethod
+    def _same(state: dict, name: str, mine: int) -> None:
+        if state[name] != mine:
+            raise CheckpointError(f"loader state has {name}={state[name]}, this loader has {mine}: "
+                                  "a different dataset or seed cannot resume this position")
 
     def _version(self) -> int | None:
         return None if self.index is None else self.index.version
@@ -144,8 +147,6 @@ class Loader:
                 f"version {saved or 'unknown (before versions were recorded)'}: resuming would change the sample "
                 f"order. Name the version the run read (data.train=FOLDER/{pin}), or set "
                 f"data.resume_extended=true to go on over version {mine} from the next epoch")
-        if state["seed"] != self.spec.seed:
-            raise CheckpointError(f"loader state has seed={state['seed']}, this loader has {self.spec.seed}")
         self.epoch, self.consumed = state["epoch"] + (1 if state["consumed"] else 0), 0
         log.warning("resuming on version %d of %s (the position was saved on version %s): from the start of "
                     "epoch %d, as data.resume_extended asks", mine, self.spec.dataset, saved, self.epoch)

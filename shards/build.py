@@ -246,12 +246,13 @@ def _release(store, work: Work, version: str | None) -> None:
 
 
 def _checked(job: ShardJob, header: PlanHeader, work: Work) -> PlanHeader:
-    if header.fingerprint != fingerprint(job.output_parameters()) and work != FIRST:
+    parameters = job.output_parameters()
+    if header.fingerprint != fingerprint(parameters) and work != FIRST:
         raise UsageError(f"{job.dest} has an unfinished extension, planned in {work.root}/ by "
                          f"`{command_line(header.parameters)}`: finish it by running that command again, or abandon "
                          f"it by deleting {work.root}/ (the next extension writes its shard numbers anew)")
-    if header.fingerprint != fingerprint(job.output_parameters()):
-        changed = sorted(k for k, v in job.output_parameters().items() if header.parameters.get(k) != v)
+    if header.fingerprint != fingerprint(parameters):
+        changed = sorted(k for k, v in parameters.items() if header.parameters.get(k) != v)
         hint = "" if job.extend else ", or --extend to add SRC to a finished dataset as a new version"
         raise UsageError(f"{job.dest} already holds shards made with other parameters "
                          f"({', '.join(changed)} differ); use a new destination{hint}")

@@ -98,6 +98,13 @@ def open_extension(store, dest: str, parameters: dict, fingerprint: str) -> Exte
     return Extension(base, Work.of(version_of(base) + 1), done=False)
 
 
+def version_plans(store, base: dict):
+    """(history entry, its work folder, its plan header or None) for each version, oldest first."""
+    for entry in history_of(base):
+        work = Work.of(entry["version"])
+        yield entry, work, read_header(store, work)
+
+
 def existing_digests(store, base: dict, url_list: bool, workers: int) -> DigestTable:
     """The digests of every sample in the dataset of the kind this extension compares: URLs for a
     URL list, contents otherwise (a version of the other kind is not compared). Each version's kept
@@ -105,11 +112,9 @@ def existing_digests(store, base: dict, url_list: bool, workers: int) -> DigestT
     rejects are left out (a URL that timed out may be listed again); the latest version comes first,
     so a row a retry packed is named where it is now."""
     tables, first = [], 0
-    for entry in history_of(base):
+    for entry, work, header in version_plans(store, base):
         shards = range(first, first + entry["added"]["shards"])
         first = shards.stop
-        work = Work.of(entry["version"])
-        header = read_header(store, work)
         if bool((header.parameters if header else base["parameters"]).get("url_column")) != url_list:
             continue
         if store.exists(work.digests):

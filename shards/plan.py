@@ -222,16 +222,21 @@ def load_slice(store, header: PlanHeader, part: int, num_parts: int,
     owned = header.shard_range(part, num_parts)
     shards: dict[int, list[PlanItem]] = {i: [] for i in owned}
     for p in header.slices_holding(owned):
-        try:
-            data = gzip.decompress(store.get_bytes(work.slice(p)))
-        except FileNotFoundError:
-            raise UsageError(f"{store.url(work.slice(p))}: a slice of a complete plan is missing; delete "
-                             f"{store.url(work.plan_dir)} and rerun to plan again (same inputs, same plan)") from None
+        data = read_slice(store, p, work)
         # One parse for the whole slice: lines hold no raw newline (JSON escapes it).
         for shard, *fields in json.loads(b"[" + data.rstrip(b"\n").replace(b"\n", b",") + b"]"):
             if shard in shards:
                 shards[shard].append(PlanItem(*fields))
     return shards
+
+
+def read_slice(store, part: int, work: Work = FIRST) -> bytes:
+    """One slice of a complete plan, decompressed: JSON lines [shard, key, source, label, meta, problem]."""
+    try:
+        return gzip.decompress(store.get_bytes(work.slice(part)))
+    except FileNotFoundError:
+        raise UsageError(f"{store.url(work.slice(part))}: a slice of a complete plan is missing; delete "
+                         f"{store.url(work.plan_dir)} and rerun to plan again (same inputs, same plan)") from None
 
 
 def synthetic_inputs(n: int, seed: int = 0, num_classes: int = 1000, mean_bytes: int = 110_000) -> Inputs:

@@ -20,11 +20,11 @@ import json
 from vitforge.core import UsageError, scheduler_env
 
 from .download import DownloadOptions
-from .extend import Extension
+from .extend import Extension, version_plans
 from .images import ImageOptions
-from .layout import REJECTS_NAME, Work
+from .layout import REJECTS_NAME
 from .manifest import history_of, jsonl_rows, read_manifest, version_of
-from .plan import PlanHeader, fingerprint, read_header
+from .plan import PlanHeader, fingerprint, read_slice
 from .url_guard import parse_networks
 
 # Settings of a URL list that a retry takes from the version that listed the rows.
@@ -36,8 +36,8 @@ def retry_settings(store, dest: str, timing: DownloadOptions) -> dict:
     rejects, with the settings of the URL list they were listed from. A task of a job array whose
     retry is merged already (it started late) gets that retry's fields, so it finds its work done
     instead of starting another."""
-    p = _listing_parameters(store, dest)
     base = read_manifest(store)
+    p = _listing_parameters(store, base, dest)
     last = history_of(base)[-1]
     job = _array_job()
     retry_of = last["version"] - 1 if job is not None and last.get("array_job") == job else version_of(base)
@@ -54,12 +54,11 @@ def _array_job() -> str | None:
     return env.job.rsplit("_", 1)[0] if env.job and env.array_index is not None else None
 
 
-def _listing_parameters(store, dest: str) -> dict:
+def _listing_parameters(store, base: dict, dest: str) -> dict:
     """The output parameters of the dataset's URL-list versions, which must agree on what a download
     keeps (one downloader fetches every row of a retry)."""
     listed = []
-    for entry in history_of(read_manifest(store)):
-        header = read_header(store, Work.of(entry["version"]))
+    for entry, _, header in version_plans(store, base):
         if header is not None and header.parameters.get("url_column") and "retry_of" not in header.parameters:
             listed.append((entry["version"], header.parameters))
     if not listed:
@@ -89,14 +88,13 @@ def write_retry_plan(store, extension: Extension, parameters: dict, shard_sample
     if not keys:
         raise UsageError(f"{store.url(REJECTS_NAME)}: no retryable rejects to download again")
     rows: dict[str, bytes] = {}  # a row retried before is in its retry's plan too: the first is kept
-    for entry in history_of(extension.base):
-        work = Work.of(entry["version"])
-        header = read_header(store, work)
+    for _, work, header in version_plans(store, extension.base):
         for part in range(header.parts if header else 0):
-            for line in gzip.decompress(store.get_bytes(work.slice(part))).splitlines():
-                shard, key, rest = line[1:].split(b",", 2)
-                if json.loads(key) in keys:
-                    rows.setdefault(json.loads(key), rest)
+            for line in read_slice(store, part, work).splitlines():
+                _, quoted, rest = line[1:].split(b",", 2)  # [shard,"key",... : neither holds a comma
+                key = json.loads(quoted)
+                if key in keys:
+                    rows.setdefault(key, rest)
     lines = sorted(rows.items())
     work, first = extension.work, extension.first_shard
     shards = (len(lines) + shard_samples - 1) // shard_samples
