@@ -46,10 +46,16 @@ def resolve(table: dict, name: str) -> object:
 
 def find(table: dict, name: str, unknown: Callable[[list[str]], Exception],
          more: Callable[[], None] | None = None) -> object:
-    """`resolve`, with `more()` (e.g. reading entry points) tried first when the name is missing;
-    an unknown name raises `unknown(the known names, sorted)`."""
+    """`resolve`, once `require` knows the name."""
+    require(table, name, unknown, more)
+    return resolve(table, name)
+
+
+def require(table: dict, name: str, unknown: Callable[[list[str]], Exception],
+            more: Callable[[], None] | None = None) -> None:
+    """That `name` is registered, importing nothing of it: `more()` (e.g. reading entry points)
+    tried first when it is missing; an unknown name raises `unknown(the known names, sorted)`."""
     if name not in table and more is not None:
         more()
     if name not in table:
         raise unknown(sorted(table))
-    return resolve(table, name)

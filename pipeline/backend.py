@@ -121,9 +121,19 @@ def backend_names() -> list[str]:
 def find_backend(name: str) -> Registered:
     """The registered backend `name` (its module imported now); an unknown name is an error listing
     the known ones."""
-    found = registry.find(_backends, name, more=_installed, unknown=lambda known: UsageError(
-        f"backend must be auto or a registered loader backend ({', '.join(known)}), not {name!r}"))
+    found = registry.find(_backends, name, _unknown(name), more=_installed)
     return found if isinstance(found, Registered) else Registered(found, reads_dataset=True)
+
+
+def check_backend_name(name: str) -> None:
+    """`find_backend`'s error for an unknown name, without importing the backend's module (config
+    validation stays torch-free)."""
+    registry.require(_backends, name, _unknown(name), more=_installed)
+
+
+def _unknown(name: str) -> Callable[[list[str]], UsageError]:
+    return lambda known: UsageError(f"backend must be auto or a registered loader backend ({', '.join(known)}), "
+                                    f"not {name!r}")
 
 
 class SyntheticBackend:

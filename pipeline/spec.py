@@ -16,7 +16,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from vitforge.core import UsageError
 from vitforge.core.settings import Switch, problems
 
-from .backend import find_backend
+from .backend import check_backend_name
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -95,7 +95,7 @@ class LoaderSettings(BaseModel):
     @classmethod
     def _registered(cls, value: str) -> str:
         if value != "auto":
-            find_backend(value)
+            check_backend_name(value)
         return value
 
     @field_validator("subset")

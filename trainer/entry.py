@@ -16,7 +16,8 @@ from .config import Config, ConfigError
 from .distributed import all_ok, detect_env, init_distributed, raised_together, shutdown
 from .engine import set_tf32
 from .export import consolidate_on_rank0, load_broadcast
-from .model import build_model, check_model_config
+from .model import build_model
+from .model_names import check_model_config
 from .objective import get_objective
 from .objectives import saved_objective
 from .peers import PeerWatch

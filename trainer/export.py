@@ -27,7 +27,8 @@ from vitforge.pipeline import IMAGENET_MEAN, IMAGENET_STD
 
 from .checkpoint import SHARED_STATE, needed_files
 from .distributed import agree, agree_keeping, broadcast_state
-from .model import build_model, check_model_name
+from .model import build_model
+from .model_names import check_model_name
 from .objective import OBJECTIVES, PreLogitsHead
 from .objectives import saved_objective
 from .run_store import RunStore, split_checkpoint_url

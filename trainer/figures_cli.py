@@ -21,7 +21,7 @@ from vitforge.pipeline import IMAGENET_MEAN, IMAGENET_STD, LoaderSpec, build_loa
 
 from .config import ConfigError
 from .export import consolidate, trained_model
-from .model import is_vit
+from .model_names import is_vit
 from .figures import compute, write_figures
 from .objective import get_objective
 from .objectives import saved_objective

@@ -17,29 +17,11 @@ from timm.models.resnetv2 import ResNetV2
 from timm.models.vision_transformer import VisionTransformer
 from torch.utils.flop_counter import FlopCounterMode
 
-from .config import ConfigError
+from .errors import ConfigError
+from .model_names import TINY_HYBRIDS, TINY_MODELS, TINY_RESNETS, is_vit, refuse_vit_settings
 from .objective import get_objective
 from .objectives import DEFAULT_OBJECTIVE
 
-# Tiny configurations for CPU tests and demos, built like the real ones.
-TINY_MODELS = {
-    "vit_tiny_cpu": dict(patch_size=8, embed_dim=64, depth=2, num_heads=2, mlp_ratio=2.0),
-    "vit_small_cpu": dict(patch_size=8, embed_dim=128, depth=4, num_heads=4, mlp_ratio=4.0),
-}
-# The paper's hybrids (section 3.1: a ResNet's feature map, cut into 1x1 patches, feeds the
-# transformer) come from timm (vit_base_r50_s16_224, vit_large_r50_s32_224, ...); this one is its
-# CPU-sized sibling: ResNet stem (7x7/2 conv, 3x3/2 max-pool) and one bottleneck stage, 8x8 tokens at 32 px.
-TINY_HYBRIDS = {
-    "vit_hybrid_tiny_cpu": dict(backbone=dict(layers=(1,), channels=(128,), stem_chs=32), embed_dim=64, depth=2,
-                                num_heads=2, mlp_ratio=2.0),
-}
-# The ViT paper's baseline, BiT (Kolesnikov et al., "Big Transfer", arXiv 1912.11370): ResNet-v2 with
-# group norm and weight-standardised convolutions, from timm (resnetv2_50x1_bit, resnetv2_101x3_bit, ...);
-# this one is its CPU-sized sibling, built as timm builds those: the fixed-padding 7x7/2 stem and 3x3/2
-# max-pool, pre-activation bottlenecks, StdConv2d with eps 1e-8. Two stages of one block, 4x4 features at 32 px.
-TINY_RESNETS = {
-    "bit_tiny_cpu": dict(layers=(1, 1), channels=(64, 128), stem_chs=16, num_groups=8),
-}
 # Dense bf16 peak FLOP/s per device (NVIDIA data sheets, SXM parts; Google's TPU v3: 123 TFLOP/s
 # per chip of 2 cores). MFU = model FLOPs/s / peak.
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "TPUv3-core": 61.5e12}
@@ -47,65 +29,11 @@ PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "T
 PAPER_PARAMETERS = {"vit_base_patch16_224": 86e6, "vit_large_patch16_224": 307e6, "vit_huge_patch14_224": 632e6}
 
 
-def check_model_name(name: str) -> None:
-    """An unknown model is a config error naming the key, before any process group or data."""
-    if name not in TINY_MODELS and name not in TINY_HYBRIDS and name not in TINY_RESNETS and not timm.is_model(name):
-        close = timm.list_models(f"*{name.split('_')[0]}*")[:8] if name else []
-        tiny = ", ".join([*TINY_MODELS, *TINY_HYBRIDS, *TINY_RESNETS])
-        raise ConfigError(f"model.name: unknown model {name!r} (tiny ones: {tiny}"
-                          f"{'; timm has e.g. ' + ', '.join(close) if close else ''})")
-
-
-# timm's modules whose every model is a VisionTransformer (or a subclass): a hybrid's is one too.
-VIT_MODULES = ("vision_transformer", "vision_transformer_hybrid", "deit")
-
-
-def is_vit(name: str) -> bool:
-    """Whether `name` is a Vision Transformer (timm's VisionTransformer: patch embedding, position
-    embeddings, transformer blocks; a hybrid is one), not a BiT ResNet or another timm model.
-    Decided by the timm module that registers it, so nothing is built (it runs inside zero.Init and
-    on every rank at start-up). An unknown name is check_model_name's ConfigError."""
-    check_model_name(name)
-    if name in TINY_RESNETS:
-        return False
-    if name in TINY_MODELS or name in TINY_HYBRIDS:
-        return True
-    return timm.models.model_entrypoint(name).__module__.rsplit(".", 1)[-1] in VIT_MODULES
-
-
-# Settings that only mean something for a ViT: (the value a ResNet needs, why).
-VIT_ONLY = {
-    "pre_logits": ("false", "the paper's pre-training head is sized by a ViT's embed_dim; a BiT ResNet's "
-                            "representation is its globally pooled features, with no layer between them and the "
-                            "classifier"),
-    "dropout": ("0", "it is the ViT paper's dropout after the position embeddings and dense layers, which a "
-                     "ResNet does not have (BiT trains without dropout)"),
-    "compile": ("false", "it compiles transformer blocks, which a ResNet does not have"),
-}
-
-
-def check_model_config(model, objective: str = DEFAULT_OBJECTIVE) -> None:
-    """`model` (a ModelConfig) names a known model that `objective` can train and sets nothing that
-    model cannot use: a ConfigError naming the setting, before any process group or data."""
-    if get_objective(objective).vit_only and not is_vit(model.name):
-        raise ConfigError(f"train.objective {objective} works on a ViT's patches: model.name {model.name} is not a ViT")
-    _refuse_vit_settings(model.name, pre_logits=model.pre_logits, dropout=model.dropout > 0, compile=model.compile)
-
-
-def _refuse_vit_settings(name: str, **settings: bool) -> None:
-    if is_vit(name):
-        return
-    for key, used in settings.items():
-        if used:
-            value, why = VIT_ONLY[key]
-            raise ConfigError(f"model.{key}: {name} is not a ViT: {why}; set model.{key}={value}")
-
-
 def build_model(name: str, num_classes: int, image_size: int, drop_path: float = 0.0, dropout: float = 0.0,
                 pre_logits: bool = False, objective: str = DEFAULT_OBJECTIVE) -> torch.nn.Module:
     """The model `objective` trains, around the ViT or BiT ResNet `name` (its head:
     objective.Objective.build). A ViT-only setting on a ResNet is a ConfigError naming it."""
-    _refuse_vit_settings(name, pre_logits=pre_logits, dropout=dropout > 0)
+    refuse_vit_settings(name, pre_logits=pre_logits, dropout=dropout > 0)
     return get_objective(objective).build(partial(_build, name, image_size=image_size, drop_path=drop_path,
                                                   dropout=dropout), num_classes, pre_logits)
 

@@ -35,8 +35,10 @@ OBJECTIVES: dict[str, object] = {
     "classification": "vitforge.trainer.objective:CLASSIFICATION",
     "masked_patch_prediction": "vitforge.trainer.objective:MASKED_PATCH_PREDICTION",
 }
-# What the built-ins refuse, known before their module is imported (the same functions they carry).
+# What the built-ins refuse, known before their module is imported (the same functions they carry),
+# and those that work on a ViT's patches (their `vit_only`).
 _BUILTIN_CHECKS: dict[str, Callable[[object], None]] = {"masked_patch_prediction": refuse_classification_settings}
+_BUILTIN_VIT_ONLY = {"masked_patch_prediction"}
 
 
 def find_objective(name: str) -> object:
@@ -57,6 +59,14 @@ def check_config(cfg) -> None:
         raise _unknown_objective(name)
     found = OBJECTIVES[name]
     (_BUILTIN_CHECKS.get(name, no_check) if isinstance(found, str) else found.check_config)(cfg)
+
+
+def vit_only(name: str) -> bool:
+    """Whether objective `name` trains only ViTs (a BiT ResNet is refused), without importing it."""
+    if name not in OBJECTIVES:
+        raise _unknown_objective(name)
+    found = OBJECTIVES[name]
+    return name in _BUILTIN_VIT_ONLY if isinstance(found, str) else found.vit_only
 
 
 def saved_objective(manifest: dict) -> str:

@@ -59,7 +59,7 @@ def test_is_vit_agrees_with_the_class_timm_builds():
     import timm
     from timm.models.vision_transformer import VisionTransformer
 
-    from vitforge.trainer.model import VIT_MODULES
+    from vitforge.trainer.model_names import VIT_MODULES
 
     names = [name for module in (*VIT_MODULES, "resnetv2", "convnext") for name in timm.list_models(module=module)[:2]]
     for name in ["vit_base_r50_s16_224", "resnetv2_50x1_bit", *names]:

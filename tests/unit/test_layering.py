@@ -95,6 +95,7 @@ def test_light_commands_never_import_torch(tmp_path):
     # (status, logs and cancel by their --help: their modules are imported, no SLURM is asked)
     argvs = [["submit", "tiny_cpu", "--dry-run"], ["status", "--help"], ["logs", "--help"], ["cancel", "--help"],
              ["ckpt", "list", str(run)], ["ckpt", "verify", str(run)],
+             ["study", "data-scale", "tiny_cpu_data_scale", "--dry-run"],
              ["train", "tiny_cpu", "--set", "train.objective=contrastive"],
              ["train", "tiny_cpu", "--set", "train.objective=masked_patch_prediction", "--set", "augment.mixup=0.2"]]
     code = "import vitforge.cluster.render\n" + LIGHT.replace("ARGVS", repr(argvs))
