@@ -55,6 +55,9 @@ TARGETS = {  # step -> {figure: (limit, unit)} at the paper's scale, per rank
     "plan": {"peak_mb": 4000},
     "slice": {"seconds": 2, "peak_mb": 50},
     "dedup": {"peak_mb": 4000},
+    # Planning a 400M-row URL list across 64 tasks: a task's share (6.25M rows), one bucket.
+    "share": {"peak_mb": 4000},
+    "bucket": {"peak_mb": 4000},
     # A receiving rank holds its model and one tensor in flight (16 MB here): its peak above that
     # one tensor, and gloo's and Python's buffers (a few MB), under ViT-H/14's largest tensor.
     "weights": {"peak_mb": LARGEST_TENSOR_MB},
@@ -230,6 +233,69 @@ def step_dedup(work: Path, scale: float) -> dict:
             "duplicates": len(duplicates)}
 
 
+URL_LIST_ROWS = 400_000_000  # the issue's URL list, planned across an array of TASKS
+TASKS = 64
+
+
+def _url_list_job(work: Path, scale: float, part: int = 0):
+    """A LAION-like Parquet URL list of scale x 400M rows (url, caption; one row group per task)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from vitforge.shards import ShardJob
+
+    n = max(TASKS, round(URL_LIST_ROWS * scale))
+    folder = work / f"url-list-{scale:g}"
+    folder.mkdir(parents=True, exist_ok=True)
+    listing = folder / "urls.parquet"
+    if not listing.exists():
+        with pq.ParquetWriter(listing, pa.schema([("url", pa.string()), ("caption", pa.string())])) as writer:
+            for start in range(0, n, n // TASKS):
+                ids = range(start, min(n, start + n // TASKS))
+                writer.write_table(pa.table({
+                    "url": [f"https://img{i % 997}.example.com/photos/{i:010d}/{i * 2654435761 % 2**32:08x}.jpg"
+                            for i in ids],
+                    "caption": [f"a photo of thing {i % 5003} in place {i % 127}" for i in ids]}),
+                    row_group_size=n // TASKS)
+    return ShardJob(src=str(listing), dest=str(folder / "shards"), shard_samples=10_000, shard_bytes=None,
+                    url_column="url", caption_column="caption", labels=False, num_parts=TASKS, part=part), n
+
+
+def step_share(work: Path, scale: float) -> dict:
+    """Planning across a 64-task array, a task's own work: list its share of the URL list and spill
+    it (one row group here: 1/64 of the rows)."""
+    from vitforge.core import open_store
+    from vitforge.shards.array_plan import _spill
+    from vitforge.shards.layout import FIRST
+
+    job, n = _url_list_job(work, scale)
+    store = open_store(job.dest)
+    before, start = rss_mb(), time.perf_counter()
+    index = json.loads(_spill(job, store, FIRST, 0, TASKS, [], False))
+    return {"seconds": time.perf_counter() - start, "peak_mb": rss_mb() - before, "rows": index["inputs"]}
+
+
+def step_bucket(work: Path, scale: float) -> dict:
+    """Planning across the array, the second half: one bucket (BUCKET_INPUTS rows on average, so a
+    bucket costs the same at any scale past BUCKET_INPUTS) read from all 64 spills, sorted, cut and
+    written as a plan slice. The spills are made first, outside the measurement."""
+    from vitforge.core import open_store
+    from vitforge.shards.array_plan import _bucket, _spill, _unit
+    from vitforge.shards.layout import FIRST
+    from vitforge.shards.plan import buckets_for
+
+    job, n = _url_list_job(work, scale)
+    store = open_store(job.dest)
+    for share in range(TASKS):
+        if not store.exists(_unit(FIRST, "spill", share)):
+            store.put_bytes(_unit(FIRST, "spill", share), _spill(job, store, FIRST, share, TASKS, [], False))
+    buckets = buckets_for(n)
+    before, start = rss_mb(), time.perf_counter()
+    counts = json.loads(_bucket(job, store, FIRST, 0, buckets, TASKS))
+    return {"seconds": time.perf_counter() - start, "peak_mb": rss_mb() - before, "rows": counts["inputs"],
+            "buckets": buckets}
+
+
 def step_weights(work: Path, scale: float) -> dict:
     """Consolidated weights on rank 0 reaching 4 CPU ranks, as eval and fine-tune init move them:
     tensor by tensor now, one all_gather_object of every rank's copy before (fine-tune init). Peak
@@ -248,7 +314,8 @@ def step_weights(work: Path, scale: float) -> dict:
 
 
 STEPS = {"index": step_index, "order": step_order, "subset": step_subset, "node": step_node, "plan": step_plan,
-         "slice": step_slice, "dedup": step_dedup, "weights": step_weights}
+         "slice": step_slice, "dedup": step_dedup, "share": step_share, "bucket": step_bucket,
+         "weights": step_weights}
 
 
 def measure(step: str, work: Path, scale: float) -> dict:
@@ -269,6 +336,32 @@ def fit(scales: list[float], values: list[float]) -> float:
     my = sum(y for _, y in points) / len(points)
     slope = sum((x - mx) * (y - my) for x, y in points) / max(sum((x - mx) ** 2 for x, _ in points), 1e-12)
     return math.exp(my - slope * mx)
+
+
+def array_plan_figures(report: dict) -> dict:
+    """The plan's wall time across the array at the paper's scale: a task's share (extrapolated),
+    then the buckets it sorts and cuts (a bucket measured where it is full size, so its cost is
+    that at any scale), against the 10-minute target; the barriers' polling (5 s a step) added."""
+    import math
+
+    from vitforge.shards.plan import BUCKET_INPUTS, buckets_for
+
+    shares = report["share"]["runs"]
+    seconds = fit([float(s) for s in shares], [r["seconds"] for r in shares.values()])
+    share_peak = report["share"]["at_paper_scale"]["peak_mb"]["value"]
+    runs = report["bucket"]["runs"]
+    full = max(runs, key=float)
+    bucket = runs[full]
+    buckets = buckets_for(URL_LIST_ROWS)
+    per_task = math.ceil(buckets / TASKS)
+    bucket_s = bucket["seconds"] * BUCKET_INPUTS / bucket["rows"]
+    wall = seconds + per_task * bucket_s + 3 * 5
+    peak = max(share_peak, bucket["peak_mb"] * BUCKET_INPUTS / bucket["rows"])
+    print(f"array plan: {URL_LIST_ROWS:,} rows over {TASKS} tasks: share {seconds:,.0f} s (extrapolated), then {per_task} of "
+          f"{buckets} buckets at {bucket_s:,.1f} s each (measured at scale {full}: {bucket['rows']:,} rows), "
+          f"+15 s of polling = {wall:,.0f} s, target 600 s: {wall / 600:.2f}x (goal <= 1x)")
+    print(f"array plan: per-task peak {peak:,.0f} MB, target 4,000 MB: {peak / 4000:.2f}x (goal <= 1x)")
+    return {"wall_s": wall, "peak_mb": peak, "share_s": seconds, "bucket_s": bucket_s, "buckets_per_task": per_task}
 
 
 def cache_rule() -> dict:
@@ -323,6 +416,8 @@ def main() -> None:
             peak = fit(old, [runs[s]["old_peak_mb"] for s in old]) * PAPER["ranks"] / runs[old[-1]]["ranks"]
             report[step]["at_paper_scale"]["old_peak_mb"] = peak
             print(f"  before (all_gather_object), extrapolated to {PAPER['ranks']} ranks: peak_mb {peak:,.3g}")
+    if "share" in report and "bucket" in report:
+        report["array_plan"] = array_plan_figures(report)
     report["cache"] = cache_rule()
     for open_shards, line in report["cache"].items():
         print(f"cache: 3.3 GB shards, 8 ranks x {open_shards} open + 2 ahead under 64 GB: "

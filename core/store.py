@@ -385,8 +385,10 @@ def staging_dir() -> str:
 
 
 def temp_name(folder: str, name: str) -> str:
-    """Host and pid in the name let a rerun tell a dead writer's leftovers from a live one's."""
-    return os.path.join(folder, f"{name.replace('/', '%')}{PARTIAL_MARK}{socket.gethostname()}-{os.getpid()}")
+    """Host and pid in the name let a rerun tell a dead writer's leftovers from a live one's; the
+    thread, that two threads of a process writing one name do not share a temporary."""
+    return os.path.join(folder, f"{name.replace('/', '%')}.t{threading.get_ident()}{PARTIAL_MARK}"
+                                f"{socket.gethostname()}-{os.getpid()}")
 
 
 def discard_stale(folder: str, shard_names: set[str]) -> int:

@@ -13,15 +13,15 @@ import hashlib
 import json
 import logging
 import os
-import socket
-import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
-from vitforge.core import PreconditionFailed, Progress, StorageError, UsageError, open_store, process_alive
+from vitforge.core import Progress, UsageError, open_store
 
+from .array_plan import plan_across_array, spreads
+from .claims import made_once
 from .download import Downloader, DownloadOptions
 from .extend import Extension, existing_digests, open_extension
 from .hf_parquet import EmbeddedImages, embedded_row, row_reader
@@ -37,10 +37,6 @@ from .tarfile_writer import TarShardWriter, index_path_for
 from .verify import verify
 
 log = logging.getLogger("vitforge.shard")
-
-CLAIM_STALE_S = 300.0  # a claim not renewed for this long is taken over
-PLAN_POLL_S = 5.0
-
 
 @dataclass(frozen=True)
 class ShardJob:
@@ -186,63 +182,23 @@ def _extension(job: ShardJob, store) -> Extension:
 
 def ensure_plan(job: ShardJob, store=None, extension: Extension | None = None) -> PlanHeader:
     """The plan's header: read, or made by this task when no other task of the job is making it
-    (the submit step may call this first, so that no array task lists the corpus).
-
-    The first task to create the claim object (a create-only write: S3 If-None-Match, a lock file
-    locally) lists and plans; the others poll for the header. A claim whose writer died (its pid
-    gone on this host, or no heartbeat for CLAIM_STALE_S) is taken over, so a crashed planner
-    delays the job, never blocks it; past `job.plan_wait_s` a waiting task stops with an error."""
+    (the submit step may call this first, so that no array task lists the corpus). One task plans
+    while the others wait for the header (shards/claims.py), unless the job spreads its planning
+    over every task of the array (shards/array_plan.py: a Parquet list split by row group)."""
     store = store or open_store(job.dest)
     if job.extend and extension is None:
         extension = _extension(job, store)
     work = extension.work if extension else FIRST
-    deadline = time.monotonic() + job.plan_wait_s
-    seen: tuple[str, float] | None = None  # (claim version, when this task first saw it)
-    while True:
-        header = read_header(store, work)
-        if header is not None:
-            return _checked(job, header, work)
-        if store.exists(work.legacy_plan):
-            raise UsageError(f"{job.dest} was started by an older vitforge (it holds {work.legacy_plan}): finish it "
-                             "with that version, or shard into a new destination")
-        claim = store.get_versioned(work.claim)
-        version = claim[1] if claim else None
-        if seen is None or seen[0] != version:
-            seen = (version, time.monotonic())
-        if claim is None or _claim_dead(claim[0], time.monotonic() - seen[1]):
-            try:
-                version = store.put_if(work.claim, _claim_bytes(job, 0), version)
-            except PreconditionFailed:
-                continue  # another task claimed it first
-            return _plan_claimed(job, store, version, extension)
-        if time.monotonic() > deadline:
-            holder = json.loads(claim[0])
-            raise UsageError(f"{job.dest}: waited {job.plan_wait_s:.0f} s for the shard plan that part "
-                             f"{holder.get('part')} (host {holder.get('host')}, pid {holder.get('pid')}) is making; "
-                             f"it still runs (its claim {store.url(work.claim)} is renewed): raise --plan-wait")
-        time.sleep(min(PLAN_POLL_S, max(0.0, deadline - time.monotonic())))
-
-
-def _plan_claimed(job: ShardJob, store, version: str, extension: Extension | None) -> PlanHeader:
-    work = extension.work if extension else FIRST
-    header = read_header(store, work)  # the previous holder may have finished between our reads
-    held = [version]
-    try:
-        if header is None:
-            with _heartbeat(job, store, version, work) as held:
-                header = _make_plan(job, store, extension)
-    finally:  # a planner that fails (bad input) releases the claim too: no task waits out its staleness
-        _release(store, work, held[0])
+    if store.exists(work.legacy_plan) and read_header(store, work) is None:
+        raise UsageError(f"{job.dest} was started by an older vitforge (it holds {work.legacy_plan}): finish it "
+                         "with that version, or shard into a new destination")
+    if extension is None and spreads(job):
+        header = plan_across_array(job, store, work)
+    else:
+        header = made_once(store, work.claim, lambda: read_header(store, work),
+                           lambda: _make_plan(job, store, extension), job.part, "the shard plan",
+                           job.plan_wait_s)
     return _checked(job, header, work)
-
-
-def _release(store, work: Work, version: str | None) -> None:
-    """Only a claim still ours is deleted: one a task took over while this one was thought dead is
-    that task's until it finishes its plan. A local store's compare-and-swap leaves a lock file
-    beside the claim; the plan needs neither now."""
-    claim = store.get_versioned(work.claim)
-    if claim is not None and claim[1] == version:
-        store.delete([work.claim, f"{work.claim}.lock"])
 
 
 def _checked(job: ShardJob, header: PlanHeader, work: Work) -> PlanHeader:
@@ -296,48 +252,6 @@ def _make_plan(job: ShardJob, store, extension: Extension | None) -> PlanHeader:
     log.info("planned %d inputs into %d shards in %d slices (%.1f s)", header.inputs, header.shards,
              header.parts, time.monotonic() - started)
     return header
-
-
-def _claim_bytes(job: ShardJob, beat: int) -> bytes:
-    return json.dumps({"part": job.part, "host": socket.gethostname(), "pid": os.getpid(), "beat": beat}).encode()
-
-
-def _claim_dead(data: bytes, unchanged_s: float) -> bool:
-    """Judged by this task's own clock (no clock is shared between nodes): the claim has not been
-    renewed for CLAIM_STALE_S, or its writer was on this host and is gone."""
-    holder = json.loads(data)
-    if holder.get("host") == socket.gethostname() and not process_alive(int(holder.get("pid", 0))):
-        return True
-    return unchanged_s > CLAIM_STALE_S
-
-
-@contextlib.contextmanager
-def _heartbeat(job: ShardJob, store, version: str, work: Work):
-    """Renew the claim every CLAIM_STALE_S / 4 while planning, so waiting tasks see it is alive.
-    Yields [the claim's version as this task last wrote it], None once another task took it over."""
-    stop = threading.Event()
-    held = [version]
-
-    def beat():
-        beats = 0
-        while not stop.wait(CLAIM_STALE_S / 4):
-            beats += 1
-            try:
-                held[0] = store.put_if(work.claim, _claim_bytes(job, beats), held[0])
-            except PreconditionFailed:
-                held[0] = None
-                log.warning("another task took over planning (this one was thought dead); both write the same plan")
-                return
-            except StorageError as e:
-                log.warning("could not renew the planning claim: %s", e)
-
-    thread = threading.Thread(target=beat, name="plan-claim", daemon=True)
-    thread.start()
-    try:
-        yield held
-    finally:
-        stop.set()
-        thread.join()
 
 
 def _build_shards(job: ShardJob, shards: list[list[PlanItem]], classes: tuple[str, ...], store,

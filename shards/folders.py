@@ -23,13 +23,14 @@ IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".
 FileEntry = tuple  # (path relative to src with "/" separators, path or URL to read, size, problem)
 
 
-def remote_files(src: str, by_class: bool) -> Iterator[FileEntry]:
+def remote_files(src: str, by_class: bool, share: tuple[int, int] | None = None) -> Iterator[FileEntry]:
     """Every object under src in the order sorting by relative path gives (by class folder name
     first when `by_class`), whatever the store: listed one folder at a time (`list_folder`), each
     folder sorted here (object stores do not all list in key order). Object stores have no links,
-    and a listing error is the store's, for the whole run."""
+    and a listing error is the store's, for the whole run. `share` (s, n): only what share s of n
+    of the top level's entries holds (a job array's task plans its share: shards/array_plan.py)."""
     store = open_store(src)
-    first = _store_folder(store, "", top_by_class=by_class)
+    first = share_of(_store_folder(store, "", top_by_class=by_class), share)
     for name, size, _, _ in _depth_first(first, lambda folder: _store_folder(store, folder)):
         yield name, store.url(name), size, None
 
@@ -50,15 +51,25 @@ def _store_folder(store: Store, folder: str, top_by_class: bool = False) -> list
     return [item for _, item in keyed]
 
 
-def local_files(src: str, follow_symlinks: bool, boundary: str, by_class: bool) -> Iterator[FileEntry]:
+def local_files(src: str, follow_symlinks: bool, boundary: str, by_class: bool,
+                share: tuple[int, int] | None = None) -> Iterator[FileEntry]:
     """Every file under src, and every folder under it that cannot be listed (with its problem), in
     the order sorting by relative path gives (by class folder name first when `by_class`, files
     directly in src left out). Two passes: `_listed_folders` decides which folders are listed and
-    through which path (links and loops), then each is listed again, one folder at a time."""
+    through which path (links and loops), then each is listed again, one folder at a time.
+    `share`: as for `remote_files` (the first pass still walks every folder, not their files)."""
     listed, unreadable = _listed_folders(src, follow_symlinks, boundary)
-    first = _folder_entries(src, listed, unreadable, top_by_class=by_class)
+    first = share_of(_folder_entries(src, listed, unreadable, top_by_class=by_class), share)
     for path, size, problem, _ in _depth_first(first, lambda folder: _folder_entries(folder, listed, unreadable)):
         yield _relative(path, src), path, size, problem
+
+
+def share_of(entries: list, share: tuple[int, int] | None) -> list:
+    """Share s of n of a sorted list: contiguous, so shares in order are the listing's order."""
+    if share is None:
+        return entries
+    s, n = share
+    return entries[s * len(entries) // n:(s + 1) * len(entries) // n]
 
 
 def _depth_first(first: list, entries: Callable[[str], list]) -> Iterator[tuple]:
@@ -114,21 +125,22 @@ def _is_image(rel: str) -> bool:
     return os.path.splitext(rel)[1].lower() in IMAGE_EXTENSIONS
 
 
-def from_folder(src: str, files: Iterable[FileEntry]) -> Iterator[SourceRecord]:
+def from_folder(src: str, files: Iterable[FileEntry], required: bool = True) -> Iterator[SourceRecord]:
+    """`required`: an error when there is no image (a share of a folder may have none)."""
     found = False
     for rel, url, size, problem in files:
         if problem or _is_image(rel):
             found = True
             yield SourceRecord(url, None, size, problem=problem, name=rel)
-    if not found:
+    if required and not found:
         raise SourceError(f"{display_path(src)}: no images found under it")
 
 
 def from_class_folders(src: str, files: Iterable[FileEntry], classes: list[str] | None,
-                        names: list[str]) -> Iterator[SourceRecord]:
+                        names: list[str], required: bool = True) -> Iterator[SourceRecord]:
     """`files` come class by class in name order, so without a class map each class that holds
     an input takes the next id as its first input comes (appended to `names`): the ids sorting
-    the class names would give."""
+    the class names would give. `required`: as for `from_folder`."""
     ids = {name: i for i, name in enumerate(names)}
     found = False
     for rel, url, size, problem in files:
@@ -144,7 +156,7 @@ def from_class_folders(src: str, files: Iterable[FileEntry], classes: list[str] 
         if record.label is None and not problem:
             record.problem = ("label_unknown", f"class folder {display_path(name)!r} is not in the class map")
         yield record
-    if not found:
+    if required and not found:
         raise SourceError(f"{display_path(src)}: no images found in class folders (expected SRC/CLASS/IMAGE)")
 
 

@@ -6,7 +6,11 @@
     rejects.jsonl, duplicates.jsonl             what was left out, with the source and the reason (all versions)
     _work/                                      version 1's work; _work/vN/ holds version N's (`--extend`):
       plan/header.json                          the shard plan's header (written last: its commit mark)
-      plan/part-00000.jsonl.gz, ...             the plan's items, one slice per part of the job
+      plan/part-00000.jsonl.gz, ...             the plan's items, one slice per part of the job (or per
+                                                bucket, when the whole array planned: shards/array_plan.py)
+      plan/spread/                              that plan's steps, while it is made: spread.json (the share
+                                                count), labels-, spill- and bucket-NNNNN.json (each unit's
+                                                result), spill-NNNNN.bin, *.claim; deleted once it is made
       plan/duplicates.jsonl.gz                  the duplicates the plan found
       plan/digests.bin                          the planned inputs' content digests (deduplicated plans)
       plan/claim.json                           which task plans (only while it plans)

@@ -24,11 +24,12 @@ from .records import Corpus, SourceError, SourceRecord, display_path
 EXPECTED_TYPES = {"path": "string", "label": "string (class name) or integer (class id)"}
 
 
-def _manifest_rows(path: str, local: str, typed: dict[str, str], columns: list[str] | None = None) -> Iterator[dict]:
-    """The rows of the manifest `path` (read from `local`), once the columns in `typed` (column ->
-    "path" or "label") hold the types they must: checked in the Parquet schema, or in every JSON
-    row (CSV cells are all strings). Streamed: a line, or a Parquet record batch, at a time.
-    `columns`: read only these columns (Parquet only: a CSV or JSON row holds all of its own)."""
+def _manifest_rows(path: str, local, typed: dict[str, str], columns: list[str] | None = None,
+                   row_groups: range | None = None) -> Iterator[dict]:
+    """The rows of the manifest `path` (read from `local`: a path, or a file object), once the
+    columns in `typed` (column -> "path" or "label") hold the types they must: checked in the
+    Parquet schema, or in every JSON row (CSV cells are all strings). Streamed: a line, or a
+    Parquet record batch, at a time. `columns`, `row_groups`: read only these (Parquet only)."""
     lower = path.lower()
     if lower.endswith(".parquet"):
         import pyarrow.parquet as pq
@@ -41,7 +42,8 @@ def _manifest_rows(path: str, local: str, typed: dict[str, str], columns: list[s
                                       f"expected {EXPECTED_TYPES[role]}")
             # one thread: pyarrow's pool could abort the process at exit ("terminate called without an
             # active exception")
-            for batch in table.iter_batches(batch_size=8192, columns=columns, use_threads=False):
+            groups = list(row_groups) if row_groups is not None else None
+            for batch in table.iter_batches(batch_size=8192, row_groups=groups, columns=columns, use_threads=False):
                 yield from batch.to_pylist()
         return
     if lower.endswith((".jsonl", ".json")):
@@ -154,20 +156,41 @@ def from_manifest(path: str, classes: list[str] | None, path_column: str, label_
     except BaseException:
         discard_copy(path, local)
         raise
-    labels.discard(None)
-    labels.discard("")
-    numeric = all(as_int(v) is not None for v in labels)
-    if not label_column:
-        classes = []
-    elif classes is None:
-        if numeric:
-            top = max((as_int(v) for v in labels), default=-1)
-            classes = [str(i) for i in range(top + 1)]
-        else:
-            classes = sorted({str(v) for v in labels})
+    classes, numeric = class_map(labels, classes, bool(label_column))
     records = _manifest_records(path, local, typed, classes, numeric, path_column, label_column, root, url_list,
                                 meta_columns)
     return Corpus(records, list(classes))
+
+
+def class_map(labels: set, classes: list[str] | None, labelled: bool) -> tuple[list[str], bool]:
+    """The class names and whether labels are ids, from a listing's distinct labels: integers are
+    ids (classes "0".."max"), anything else names sorted; `classes` (--classes) when given."""
+    labels = {v for v in labels if v is not None and v != ""}
+    numeric = all(as_int(v) is not None for v in labels)
+    if not labelled:
+        return [], numeric
+    if classes is not None:
+        return list(classes), numeric
+    if numeric:
+        return [str(i) for i in range(max((as_int(v) for v in labels), default=-1) + 1)], numeric
+    return sorted({str(v) for v in labels}), numeric
+
+
+def parquet_share_labels(path: str, local, label_column: str, row_groups: range) -> set:
+    """The distinct labels of `row_groups` of a Parquet manifest (its label column only)."""
+    return {row[label_column] for row in _manifest_rows(path, local, {label_column: "label"}, [label_column],
+                                                        row_groups)}
+
+
+def parquet_share_records(path: str, local, classes: list[str], numeric: bool, path_column: str,
+                          label_column: str | None, root: str | None, url_list: bool,
+                          meta_columns: tuple[str, ...] | None, row_groups: range,
+                          first_row: int) -> Iterator[SourceRecord]:
+    """The records of `row_groups` of a Parquet manifest, as `from_manifest` makes them (row
+    numbers counted from the file's first row: `first_row` is the first group's)."""
+    typed = {path_column: "path", **({label_column: "label"} if label_column else {})}
+    return _manifest_records(path, local, typed, classes, numeric, path_column, label_column, root, url_list,
+                             meta_columns, row_groups, first_row)
 
 
 @dataclass(frozen=True)
@@ -196,15 +219,16 @@ class FileRows:
         return record
 
 
-def _manifest_records(path: str, local: str, typed: dict[str, str], classes: list[str], numeric: bool,
+def _manifest_records(path: str, local, typed: dict[str, str], classes: list[str], numeric: bool,
                       path_column: str, label_column: str | None, root: str | None, url_list: bool,
-                      meta_columns: tuple[str, ...] | None) -> Iterator[SourceRecord]:
+                      meta_columns: tuple[str, ...] | None, row_groups: range | None = None,
+                      first_row: int = 0) -> Iterator[SourceRecord]:
     files = FileRows.of(path, root)
     ids = {name: i for i, name in enumerate(classes)}
     kept = (lambda k: k in meta_columns) if meta_columns is not None else (lambda k: k not in (path_column,
                                                                                               label_column))
     try:
-        for n, row in enumerate(_manifest_rows(path, local, typed), 1):
+        for n, row in enumerate(_manifest_rows(path, local, typed, row_groups=row_groups), first_row + 1):
             raw_path, raw_label = row.get(path_column), row.get(label_column)
             meta = {k: jsonable(v) for k, v in row.items() if kept(k)}
             label = label_id(raw_label, ids, numeric, len(classes)) if label_column else None
@@ -233,8 +257,8 @@ def _url_record(raw_url, label: int | None, meta: dict, n: int, missing: str) ->
     return record
 
 
-def discard_copy(path: str, local: str) -> None:
-    if local != path:
+def discard_copy(path: str, local) -> None:
+    if isinstance(local, str) and local != path:
         os.unlink(local)
 
 

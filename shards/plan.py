@@ -6,10 +6,17 @@ array, or again after a crash, and always to the same bytes. Shard boundaries co
 sizes (known before decoding), which is why a shard's final size only approximates the target
 when images are re-encoded or resized.
 
+Shards never span buckets: the shuffle keys' top bits split the sorted inputs into
+`buckets_for(N)` buckets of about BUCKET_INPUTS (one below that, so a small corpus is cut as a
+whole), and each bucket is cut on its own. So a bucket can be planned by itself, which is what
+lets a job array plan a corpus together (shards/array_plan.py) to exactly the plan one task
+makes, at the price of one short shard per bucket (0.1% more shards at 10,000 inputs a shard).
+
 Scale: only the planner holds the whole listing, as columns (`Inputs`: about 50 bytes per input
 plus its source path and metadata as UTF-8, no Python object per input). It stores the plan as
-one gzip'd JSON-lines slice per part and a small header written last (the commit mark), so a
-task reads only the slices that hold its shards and a plan cut short is never taken for complete.
+gzip'd JSON-lines slices (one per part of the job, or one per bucket when the array planned it)
+and a small header written last (the commit mark), so a task reads only the slices that hold its
+shards and a plan cut short is never taken for complete.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import hashlib
 import json
 from array import array
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -35,6 +42,8 @@ SAMPLE_OVERHEAD = 4 * 512
 PLAN_FORMAT = "vitforge.shard-plan"
 PLAN_FORMAT_VERSION = 2
 _CUT_CHUNK = 1 << 16  # positions turned into Python ints at a time while cutting shards
+BUCKET_INPUTS = 1 << 20  # the inputs a bucket holds, on average (the shuffle keys are uniform)
+SUB_BUCKETS = 4096  # buckets are runs of these, by the keys' top 12 bits: a spill's sections
 
 
 @dataclass
@@ -92,13 +101,16 @@ class Inputs:
 
     def line(self, i: int, shard: int, position: int) -> bytes:
         """Row `i` as one JSON-lines row of a plan slice (read back by `load_slice`)."""
+        return b'[%d,"%09d",%s' % (shard, position, self.tail(i))
+
+    def tail(self, i: int) -> bytes:
+        """Row `i`'s line after its shard and position: source, label, meta, problem."""
         start = self._meta_ends[i - 1] if i else 0
         meta = self._metas[start:self._meta_ends[i]] or b"{}"
         label = self.labels[i]
         problem = self.problems.get(i)
-        return b'[%d,"%09d",%s,%s,%s,%s]\n' % (shard, position, json.dumps(self.source(i)).encode(),
-                                                 b"null" if label < 0 else b"%d" % label, meta,
-                                                 json.dumps(list(problem)).encode() if problem else b"null")
+        return b'%s,%s,%s,%s]\n' % (json.dumps(self.source(i)).encode(), b"null" if label < 0 else b"%d" % label,
+                                     meta, json.dumps(list(problem)).encode() if problem else b"null")
 
     def keys(self) -> np.ndarray:
         """(N, 2) big-endian uint64: sorting rows by them sorts by the 16-byte keys."""
@@ -124,6 +136,10 @@ class PlanHeader:
     first_position: int = 0  # the position (sample key) of this plan's first input
     retried: int = 0  # a retry's rows, each a reject of an earlier version (`--retry-failed`)
     job: str | None = None  # the array job that planned a retry ("slurm:1234"), so its late tasks know it
+    # A plan made across the array has one slice per bucket, its lines numbered within the slice:
+    # each slice's shards and inputs, in order (None: slices of equal shard ranges, numbered globally).
+    slice_shards: list[int] | None = None
+    slice_inputs: list[int] | None = None
 
     def shard_range(self, part: int, num_parts: int) -> range:
         """The shard numbers `part` of `num_parts` builds."""
@@ -134,13 +150,26 @@ class PlanHeader:
         return range(self.first_shard, self.first_shard + self.shards)
 
     def slices_holding(self, shards: range) -> list[int]:
-        """The slices (cut for `self.parts`) that hold any of `shards`: a task of a job resumed
-        with another --num-parts reads the one or few slices that overlap its shards."""
+        """The slices that hold any of `shards`: a task reads the one or few slices that overlap its
+        shards (one when its --num-parts is the planner's)."""
         return [p for p in range(self.parts)
-                if (r := self.shard_range(p, self.parts)) and r.start < shards.stop and shards.start < r.stop]
+                if (r := self.slice_range(p)) and r.start < shards.stop and shards.start < r.stop]
+
+    def slice_range(self, p: int) -> range:
+        """The shard numbers slice `p` holds."""
+        if self.slice_shards is None:
+            return self.shard_range(p, self.parts)
+        start = self.first_shard + sum(self.slice_shards[:p])
+        return range(start, start + self.slice_shards[p])
+
+    def slice_numbering(self, p: int) -> tuple[int, int]:
+        """What to add to slice `p`'s shard and position numbers to make them the dataset's."""
+        if self.slice_shards is None:
+            return 0, 0
+        return self.slice_range(p).start, self.first_position + sum(self.slice_inputs[:p])
 
     def to_bytes(self) -> bytes:
-        optional = ("first_shard", "first_position", "retried", "job")  # absent from a first version's header
+        optional = ("first_shard", "first_position", "retried", "job", "slice_shards", "slice_inputs")
         fields = {k: v for k, v in asdict(self).items() if v or k not in optional}
         return json.dumps({"format": PLAN_FORMAT, "format_version": PLAN_FORMAT_VERSION, **fields},
                           sort_keys=True, indent=1).encode()
@@ -223,11 +252,23 @@ def load_slice(store, header: PlanHeader, part: int, num_parts: int,
     shards: dict[int, list[PlanItem]] = {i: [] for i in owned}
     for p in header.slices_holding(owned):
         data = read_slice(store, p, work)
+        first_shard, first_position = header.slice_numbering(p)
         # One parse for the whole slice: lines hold no raw newline (JSON escapes it).
-        for shard, *fields in json.loads(b"[" + data.rstrip(b"\n").replace(b"\n", b",") + b"]"):
-            if shard in shards:
-                shards[shard].append(PlanItem(*fields))
+        for shard, key, *fields in json.loads(b"[" + data.rstrip(b"\n").replace(b"\n", b",") + b"]"):
+            if shard + first_shard in shards:
+                key = f"{int(key) + first_position:09d}" if first_position else key
+                shards[shard + first_shard].append(PlanItem(key, *fields))
     return shards
+
+
+def plan_lines(store, header: PlanHeader, work: Work = FIRST) -> Iterator[tuple[str, bytes]]:
+    """Every planned row as (its sample key, the rest of its line: source, label, meta, problem)."""
+    for p in range(header.parts):
+        first_position = header.slice_numbering(p)[1]
+        for line in read_slice(store, p, work).splitlines():
+            _, quoted, rest = line[1:].split(b",", 2)  # [shard,"key",... : neither holds a comma
+            key = json.loads(quoted)
+            yield (f"{int(key) + first_position:09d}" if first_position else key), rest
 
 
 def read_slice(store, part: int, work: Work = FIRST) -> bytes:
@@ -286,9 +327,13 @@ def plan_inputs(inputs: Inputs, classes: list[str], parameters: dict, *, shard_b
     rows = np.flatnonzero(kept)
     keys = inputs.keys()[rows]
     # lexsort is stable: equal keys (a name listed twice) keep listing order, as sorted() did.
-    order = rows[np.lexsort((keys[:, 1], keys[:, 0]))]
-    del keys
-    bounds = _cut(np.frombuffer(inputs.sizes, dtype=np.int64), order, shard_bytes, shard_samples)
+    sorting = np.lexsort((keys[:, 1], keys[:, 0]))
+    order = rows[sorting]
+    buckets = bucket_of(keys[sorting, 0], buckets_for(len(order)))
+    del keys, sorting
+    bounds = cut(np.frombuffer(inputs.sizes, dtype=np.int64), order, shard_bytes, shard_samples,
+                  np.flatnonzero(np.diff(buckets)) + 1)
+    del buckets
     table = None
     if digests is not None:
         positions = np.flatnonzero(valid[order])
@@ -298,13 +343,37 @@ def plan_inputs(inputs: Inputs, classes: list[str], parameters: dict, *, shard_b
                 first_shard, first_position)
 
 
-def _cut(sizes: np.ndarray, order: np.ndarray, shard_bytes: int | None, shard_samples: int | None) -> np.ndarray:
+def buckets_for(inputs: int) -> int:
+    return min(SUB_BUCKETS, max(1, -(-inputs // BUCKET_INPUTS)))
+
+
+def bucket_of(key_high: np.ndarray, buckets: int) -> np.ndarray:
+    """The bucket of each input, from the first 8 bytes of its shuffle key (a big-endian uint64):
+    runs of sub-buckets, so bucket order is key order."""
+    return (key_high.astype(np.uint64) >> np.uint64(52)).astype(np.int64) * buckets // SUB_BUCKETS
+
+
+def bucket_sub_buckets(bucket: int, buckets: int) -> range:
+    """The sub-buckets (top 12 key bits) that make up `bucket`."""
+    return range(-(-bucket * SUB_BUCKETS // buckets), -(-(bucket + 1) * SUB_BUCKETS // buckets))
+
+
+def cut(sizes: np.ndarray, order: np.ndarray, shard_bytes: int | None, shard_samples: int | None,
+        breaks: np.ndarray | None = None) -> np.ndarray:
     """Shard boundaries: a shard closes at `shard_samples`, or before the input that would take it
-    past `shard_bytes` (a single larger input still gets a shard)."""
+    past `shard_bytes` (a single larger input still gets a shard), and always before a position in
+    `breaks` (ascending: where a bucket starts)."""
+    breaks = (breaks if breaks is not None else np.zeros(0, np.int64)).tolist() + [-1]
     bounds = [0]
     count = total = 0
+    at = 0
     for start in range(0, len(order), _CUT_CHUNK):
         for position, size in enumerate((sizes[order[start:start + _CUT_CHUNK]] + SAMPLE_OVERHEAD).tolist(), start):
+            if position == breaks[at]:
+                at += 1
+                if count:
+                    bounds.append(position)
+                    count = total = 0
             if (shard_samples and count >= shard_samples) or (shard_bytes and count and total + size > shard_bytes):
                 bounds.append(position)
                 count = total = 0

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
-import json
 
 from vitforge.core import UsageError, scheduler_env
 
@@ -24,7 +23,7 @@ from .extend import Extension, version_plans
 from .images import ImageOptions
 from .layout import REJECTS_NAME
 from .manifest import history_of, jsonl_rows, read_manifest, version_of
-from .plan import PlanHeader, fingerprint, read_slice
+from .plan import PlanHeader, fingerprint, plan_lines
 from .url_guard import parse_networks
 
 # Settings of a URL list that a retry takes from the version that listed the rows.
@@ -89,12 +88,9 @@ def write_retry_plan(store, extension: Extension, parameters: dict, shard_sample
         raise UsageError(f"{store.url(REJECTS_NAME)}: no retryable rejects to download again")
     rows: dict[str, bytes] = {}  # a row retried before is in its retry's plan too: the first is kept
     for _, work, header in version_plans(store, extension.base):
-        for part in range(header.parts if header else 0):
-            for line in read_slice(store, part, work).splitlines():
-                _, quoted, rest = line[1:].split(b",", 2)  # [shard,"key",... : neither holds a comma
-                key = json.loads(quoted)
-                if key in keys:
-                    rows.setdefault(key, rest)
+        for key, rest in plan_lines(store, header, work) if header else ():
+            if key in keys:
+                rows.setdefault(key, rest)
     lines = sorted(rows.items())
     work, first = extension.work, extension.first_shard
     shards = (len(lines) + shard_samples - 1) // shard_samples

@@ -57,7 +57,7 @@ def list_corpus(src: str, *, classes: list[str] | None = None, path_column: str 
     if src.rstrip("/").lower().endswith(MANIFEST_SUFFIXES):
         corpus = from_manifest(src, classes, path_column, label_column if labelled else None, root, url_list,
                                meta_columns)
-        return corpus if url_list else Corpus(_with_sizes(corpus.records, stat_threads), corpus.classes)
+        return corpus if url_list else Corpus(with_sizes(corpus.records, stat_threads), corpus.classes)
     if url_list:
         raise SourceError(f"{src}: a URL list must be a .csv/.tsv/.jsonl/.parquet manifest")
     if is_url(src):
@@ -101,7 +101,7 @@ def load_class_names(path: str) -> list[str]:
     return names
 
 
-def _with_sizes(records: Iterable[SourceRecord], threads: int) -> Iterator[SourceRecord]:
+def with_sizes(records: Iterable[SourceRecord], threads: int = 32) -> Iterator[SourceRecord]:
     """Manifests carry no sizes; stat every source (in threads: S3 HEADs are latency-bound)."""
     def sized(record: SourceRecord) -> SourceRecord:
         record.size = _size_of(record)

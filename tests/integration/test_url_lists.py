@@ -15,6 +15,8 @@ import tarfile
 import time
 import urllib.parse
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import yaml
 from aiohttp.abc import AbstractResolver
@@ -272,11 +274,12 @@ def test_no_url_and_no_redirect_reaches_a_refused_address_and_no_packet_is_sent_
     assert connects and set(connects) == {"127.0.0.1"}  # the only address any socket connected to
 
 
-def test_a_sharding_array_on_slurm_downloads_a_url_list_to_what_one_run_makes(server, slurm, monkeypatch, tmp_path):
+def test_a_sharding_array_on_slurm_plans_and_downloads_a_parquet_url_list_to_what_one_run_makes(server, slurm, monkeypatch, tmp_path):
     for key, value in slurm.items():
         monkeypatch.setenv(key, value)
-    listing = tmp_path / "urls.jsonl"
-    _url_list(server, listing)
+    # A Parquet list: the array plans it together (each task lists a share of its row groups).
+    listing = tmp_path / "urls.parquet"
+    pq.write_table(pa.Table.from_pylist(_url_list(server, tmp_path / "urls.jsonl")), listing, row_group_size=10)
     vitforge("shard", listing, tmp_path / "one", *OPTIONS)
     spec = tmp_path / "shard.yaml"
     spec.write_text(yaml.safe_dump({

@@ -75,7 +75,17 @@ def test_slices_reproduce_the_one_file_plan_for_any_part_count(tmp_path, shard_s
         assert got == expected, num_parts
 
 
-def test_a_task_reads_only_the_slices_of_its_shards(small_corpus, tmp_path):
+@pytest.fixture
+def small_manifest(small_corpus, tmp_path):
+    """small_corpus as a JSONL manifest: one task plans it (a folder or Parquet list is planned by
+    the whole array, tests/integration/test_array_plan.py)."""
+    rows = [{"path": str(p), "label": p.parent.name} for p in sorted(small_corpus.rglob("*.*"))]
+    (tmp_path / "manifest.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return tmp_path / "manifest.jsonl"
+
+
+def test_a_task_reads_only_the_slices_of_its_shards(small_manifest, tmp_path):
+    small_corpus = small_manifest
     out = tmp_path / "out"
     ensure_plan(ShardJob(str(small_corpus), str(out), shard_samples=16, num_parts=3))
     assert read_header(open_store(str(out))).shards == 8  # parts own shards 0-1, 2-4, 5-7
@@ -97,7 +107,8 @@ def run_part(src, dest, *extra, check=True):
     return result
 
 
-def test_tasks_started_together_plan_once_and_equal_one_run(small_corpus, tmp_path):
+def test_tasks_started_together_plan_once_and_equal_one_run(small_manifest, tmp_path):
+    small_corpus = small_manifest
     run_part(small_corpus, tmp_path / "whole")
     out = tmp_path / "parts"
     tasks = [subprocess.Popen([sys.executable, "-m", "vitforge", "shard", str(small_corpus), str(out),
@@ -137,22 +148,25 @@ def test_killed_while_planning_leaves_no_plan_that_looks_complete(tmp_path):
 
 
 def test_a_planner_thought_dead_leaves_the_claim_of_the_task_that_took_over(tmp_path):
-    from vitforge.shards.build import _plan_claimed
+    from vitforge.shards.claims import _make_claimed
 
-    rows = tmp_path / "rows.jsonl"
-    rows.write_text("".join(json.dumps({"path": f"img/{i:06d}.jpg", "label": i % 10}) + "\n" for i in range(50)))
-    job = ShardJob(str(rows), str(tmp_path / "out"), shard_samples=10, shard_bytes=None, num_parts=2)
-    store = open_store(job.dest)
+    store = open_store(str(tmp_path / "out"))
     mine = store.put_if(FIRST.claim, json.dumps({"part": 0, "host": "node-1", "pid": 1, "beat": 0}).encode(), None)
     # While this task plans, another judges it dead (no renewal seen in time) and takes the claim over.
     theirs = json.dumps({"part": 1, "host": "node-2", "pid": 1, "beat": 0}).encode()
     store.put_if(FIRST.claim, theirs, mine)
-    header = _plan_claimed(job, store, mine, None)
+    made = _make_claimed(store, FIRST.claim, mine, lambda: None, lambda: "the plan", 0)
     # The claim stays the other task's (it deletes it when its own plan is written), not this one's to delete.
-    assert header.shards == 5 and store.get_versioned(FIRST.claim)[0] == theirs
+    assert made == "the plan" and store.get_versioned(FIRST.claim)[0] == theirs
+    # A claim still this task's is deleted once its work is made, lock file and all.
+    store.delete([FIRST.claim, f"{FIRST.claim}.lock"])
+    mine = store.put_if(FIRST.claim, json.dumps({"part": 0, "host": "node-1", "pid": 1, "beat": 0}).encode(), None)
+    _make_claimed(store, FIRST.claim, mine, lambda: None, lambda: "the plan", 0)
+    assert store.get_versioned(FIRST.claim) is None
 
 
-def test_a_waiting_task_gives_up_at_its_deadline_naming_the_planner(small_corpus, tmp_path):
+def test_a_waiting_task_gives_up_at_its_deadline_naming_the_planner(small_manifest, tmp_path):
+    small_corpus = small_manifest
     out = tmp_path / "out"
     store = open_store(str(out))
     # A live planner on another host, as its claim says: this task waits for it, then stops.
