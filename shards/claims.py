@@ -56,9 +56,9 @@ def made_once(store, claim: str, ready: Callable[[], T | None], make: Callable[[
             return None
         if time.monotonic() > deadline:
             holder = json.loads(held[0])
-            raise UsageError(f"{store.url('').rstrip('/')}: waited {wait_s:.0f} s for {what} that part {holder.get('part')} (host "
-                             f"{holder.get('host')}, pid {holder.get('pid')}) is making; it still runs (its claim "
-                             f"{store.url(claim)} is renewed): raise --plan-wait")
+            raise UsageError(f"{store.url('').rstrip('/')}: waited {wait_s:.0f} s for {what} that part "
+                             f"{holder.get('part')} (host {holder.get('host')}, pid {holder.get('pid')}) is making; it "
+                             f"still runs (its claim {store.url(claim)} is renewed): raise --plan-wait")
         time.sleep(min(POLL_S, max(0.0, deadline - time.monotonic())))
 
 

@@ -59,7 +59,12 @@ def local_files(src: str, follow_symlinks: bool, boundary: str, by_class: bool,
     through which path (links and loops), then each is listed again, one folder at a time.
     `share`: as for `remote_files` (the first pass still walks every folder, not their files)."""
     listed, unreadable = _listed_folders(src, follow_symlinks, boundary)
-    first = share_of(_folder_entries(src, listed, unreadable, top_by_class=by_class), share)
+    if share is None:
+        first = _folder_entries(src, listed, unreadable, top_by_class=by_class)
+    else:  # the top level's files stat'ed only in this share (a flat folder's are all of them)
+        top = share_of(_folder_entries(src, listed, unreadable, top_by_class=by_class, sized=False), share)
+        first = [(path, _file_size(path) if size is None else size, problem, folder)
+                 for path, size, problem, folder in top]
     for path, size, problem, _ in _depth_first(first, lambda folder: _folder_entries(folder, listed, unreadable)):
         yield _relative(path, src), path, size, problem
 
@@ -87,9 +92,11 @@ def _depth_first(first: list, entries: Callable[[str], list]) -> Iterator[tuple]
             yield entry
 
 
-def _folder_entries(folder: str, listed: set[str], unreadable: dict[str, tuple], top_by_class: bool = False) -> list:
+def _folder_entries(folder: str, listed: set[str], unreadable: dict[str, tuple], top_by_class: bool = False,
+                    sized: bool = True) -> list:
     """(path, size, problem, is_folder) of one folder's files, unreadable subfolders and subfolders
-    to descend, in relative-path order. `top_by_class`: only its subfolders, in name order."""
+    to descend, in relative-path order. `top_by_class`: only its subfolders, in name order.
+    `sized=False`: files' sizes None (`_file_size` later), so listing a folder stats nothing."""
     try:
         with os.scandir(folder) as it:
             scanned = list(it)
@@ -103,14 +110,17 @@ def _folder_entries(folder: str, listed: set[str], unreadable: dict[str, tuple],
             elif entry.path in unreadable:
                 keyed.append((entry.name, (entry.path, 0, unreadable[entry.path], False)))
         elif not top_by_class:
-            try:
-                info = entry.stat(follow_symlinks=True)
-                size = info.st_size if stat.S_ISREG(info.st_mode) else 0
-            except OSError:
-                size = 0  # unreadable or a looping link: reading it later names the cause
-            keyed.append((entry.name, (entry.path, size, None, False)))
+            keyed.append((entry.name, (entry.path, _file_size(entry.path, entry) if sized else None, None, False)))
     keyed.sort(key=lambda k: k[0])
     return [item for _, item in keyed]
+
+
+def _file_size(path: str, entry: os.DirEntry | None = None) -> int:
+    try:
+        info = entry.stat(follow_symlinks=True) if entry is not None else os.stat(path)
+        return info.st_size if stat.S_ISREG(info.st_mode) else 0
+    except OSError:
+        return 0  # unreadable or a looping link: reading it later names the cause
 
 
 def _unlistable(e: OSError) -> tuple[str, str]:

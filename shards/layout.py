@@ -7,10 +7,11 @@
     _work/                                      version 1's work; _work/vN/ holds version N's (`--extend`):
       plan/header.json                          the shard plan's header (written last: its commit mark)
       plan/part-00000.jsonl.gz, ...             the plan's items, one slice per part of the job (or per
-                                                bucket, when the whole array planned: shards/array_plan.py)
-      plan/spread/                              that plan's steps, while it is made: spread.json (the share
-                                                count), labels-, spill- and bucket-NNNNN.json (each unit's
-                                                result), spill-NNNNN.bin, *.claim; deleted once it is made
+                                                bucket, for a plan made in shares: shards/array_plan.py)
+      plan/spread/                              a plan in shares while it is made: spread.json (share count,
+                                                fingerprint), labels-, spill- and bucket-NNNNN.json (each
+                                                unit's result), spill-NNNNN-RRRR-TOKEN.bin (a share's runs),
+                                                *.claim; deleted once the header exists
       plan/duplicates.jsonl.gz                  the duplicates the plan found
       plan/digests.bin                          the planned inputs' content digests (deduplicated plans)
       plan/claim.json                           which task plans (only while it plans)

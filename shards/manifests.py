@@ -25,11 +25,11 @@ EXPECTED_TYPES = {"path": "string", "label": "string (class name) or integer (cl
 
 
 def _manifest_rows(path: str, local, typed: dict[str, str], columns: list[str] | None = None,
-                   row_groups: range | None = None) -> Iterator[dict]:
+                   share: ParquetShare | None = None) -> Iterator[dict]:
     """The rows of the manifest `path` (read from `local`: a path, or a file object), once the
     columns in `typed` (column -> "path" or "label") hold the types they must: checked in the
     Parquet schema, or in every JSON row (CSV cells are all strings). Streamed: a line, or a
-    Parquet record batch, at a time. `columns`, `row_groups`: read only these (Parquet only)."""
+    Parquet record batch, at a time. `columns`, `share`: read only these (Parquet only)."""
     lower = path.lower()
     if lower.endswith(".parquet"):
         import pyarrow.parquet as pq
@@ -42,8 +42,15 @@ def _manifest_rows(path: str, local, typed: dict[str, str], columns: list[str] |
                                       f"expected {EXPECTED_TYPES[role]}")
             # one thread: pyarrow's pool could abort the process at exit ("terminate called without an
             # active exception")
-            groups = list(row_groups) if row_groups is not None else None
+            groups = list(share.row_groups) if share is not None else None
+            at = share.first_row if share is not None else 0  # the file's row number of the batch's first
             for batch in table.iter_batches(batch_size=8192, row_groups=groups, columns=columns, use_threads=False):
+                if share is not None:  # only the share's rows of the row groups that hold them
+                    start, stop = max(share.rows.start - at, 0), min(share.rows.stop - at, batch.num_rows)
+                    at += batch.num_rows
+                    if start >= stop:
+                        continue
+                    batch = batch.slice(start, stop - start)
                 yield from batch.to_pylist()
         return
     if lower.endswith((".jsonl", ".json")):
@@ -176,21 +183,28 @@ def class_map(labels: set, classes: list[str] | None, labelled: bool) -> tuple[l
     return sorted({str(v) for v in labels}), numeric
 
 
-def parquet_share_labels(path: str, local, label_column: str, row_groups: range) -> set:
-    """The distinct labels of `row_groups` of a Parquet manifest (its label column only)."""
-    return {row[label_column] for row in _manifest_rows(path, local, {label_column: "label"}, [label_column],
-                                                        row_groups)}
+@dataclass(frozen=True)
+class ParquetShare:
+    """Rows `rows` of a Parquet file (numbered in the file), in its row groups `row_groups`, the
+    first of which starts at row `first_row`."""
+    rows: range
+    row_groups: range
+    first_row: int
+
+
+def parquet_share_labels(path: str, local, label_column: str, share: ParquetShare) -> set:
+    """The distinct labels of a share of a Parquet manifest (its label column only)."""
+    return {row[label_column] for row in _manifest_rows(path, local, {label_column: "label"}, [label_column], share)}
 
 
 def parquet_share_records(path: str, local, classes: list[str], numeric: bool, path_column: str,
                           label_column: str | None, root: str | None, url_list: bool,
-                          meta_columns: tuple[str, ...] | None, row_groups: range,
-                          first_row: int) -> Iterator[SourceRecord]:
-    """The records of `row_groups` of a Parquet manifest, as `from_manifest` makes them (row
-    numbers counted from the file's first row: `first_row` is the first group's)."""
+                          meta_columns: tuple[str, ...] | None, share: ParquetShare) -> Iterator[SourceRecord]:
+    """The records of a share of a Parquet manifest, as `from_manifest` makes them (rows numbered
+    in the file)."""
     typed = {path_column: "path", **({label_column: "label"} if label_column else {})}
     return _manifest_records(path, local, typed, classes, numeric, path_column, label_column, root, url_list,
-                             meta_columns, row_groups, first_row)
+                             meta_columns, share)
 
 
 @dataclass(frozen=True)
@@ -221,14 +235,14 @@ class FileRows:
 
 def _manifest_records(path: str, local, typed: dict[str, str], classes: list[str], numeric: bool,
                       path_column: str, label_column: str | None, root: str | None, url_list: bool,
-                      meta_columns: tuple[str, ...] | None, row_groups: range | None = None,
-                      first_row: int = 0) -> Iterator[SourceRecord]:
+                      meta_columns: tuple[str, ...] | None,
+                      share: ParquetShare | None = None) -> Iterator[SourceRecord]:
     files = FileRows.of(path, root)
     ids = {name: i for i, name in enumerate(classes)}
     kept = (lambda k: k in meta_columns) if meta_columns is not None else (lambda k: k not in (path_column,
                                                                                               label_column))
     try:
-        for n, row in enumerate(_manifest_rows(path, local, typed, row_groups=row_groups), first_row + 1):
+        for n, row in enumerate(_manifest_rows(path, local, typed, share=share), share.rows.start + 1 if share else 1):
             raw_path, raw_label = row.get(path_column), row.get(label_column)
             meta = {k: jsonable(v) for k, v in row.items() if kept(k)}
             label = label_id(raw_label, ids, numeric, len(classes)) if label_column else None

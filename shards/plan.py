@@ -6,11 +6,10 @@ array, or again after a crash, and always to the same bytes. Shard boundaries co
 sizes (known before decoding), which is why a shard's final size only approximates the target
 when images are re-encoded or resized.
 
-Shards never span buckets: the shuffle keys' top bits split the sorted inputs into
-`buckets_for(N)` buckets of about BUCKET_INPUTS (one below that, so a small corpus is cut as a
-whole), and each bucket is cut on its own. So a bucket can be planned by itself, which is what
-lets a job array plan a corpus together (shards/array_plan.py) to exactly the plan one task
-makes, at the price of one short shard per bucket (0.1% more shards at 10,000 inputs a shard).
+A folder or a Parquet list is planned in shares by the whole job array (shards/array_plan.py):
+there the sorted inputs are split into `buckets_for(N)` buckets of about BUCKET_INPUTS by the
+keys' top bits (one below that, so a small corpus is cut as a whole, as here), and each bucket is
+cut on its own, at the price of one short shard per bucket (0.1% more shards at 10,000 a shard).
 
 Scale: only the planner holds the whole listing, as columns (`Inputs`: about 50 bytes per input
 plus its source path and metadata as UTF-8, no Python object per input). It stores the plan as
@@ -41,6 +40,7 @@ from .sources import Corpus, SourceRecord, read_source
 SAMPLE_OVERHEAD = 4 * 512
 PLAN_FORMAT = "vitforge.shard-plan"
 PLAN_FORMAT_VERSION = 2
+SLICED_FORMAT_VERSION = 3  # slices numbered within themselves (slice_shards): what an older vitforge cannot read
 _CUT_CHUNK = 1 << 16  # positions turned into Python ints at a time while cutting shards
 BUCKET_INPUTS = 1 << 20  # the inputs a bucket holds, on average (the shuffle keys are uniform)
 SUB_BUCKETS = 4096  # buckets are runs of these, by the keys' top 12 bits: a spill's sections
@@ -171,14 +171,16 @@ class PlanHeader:
     def to_bytes(self) -> bytes:
         optional = ("first_shard", "first_position", "retried", "job", "slice_shards", "slice_inputs")
         fields = {k: v for k, v in asdict(self).items() if v or k not in optional}
-        return json.dumps({"format": PLAN_FORMAT, "format_version": PLAN_FORMAT_VERSION, **fields},
-                          sort_keys=True, indent=1).encode()
+        version = PLAN_FORMAT_VERSION if self.slice_shards is None else SLICED_FORMAT_VERSION
+        return json.dumps({"format": PLAN_FORMAT, "format_version": version, **fields}, sort_keys=True,
+                          indent=1).encode()
 
     @staticmethod
     def from_bytes(data: bytes, where: str) -> "PlanHeader":
         raw = json.loads(data)
-        if raw.pop("format", None) != PLAN_FORMAT or raw.pop("format_version", None) != PLAN_FORMAT_VERSION:
-            raise UsageError(f"{where}: not a {PLAN_FORMAT} v{PLAN_FORMAT_VERSION} header")
+        if raw.pop("format", None) != PLAN_FORMAT or raw.pop("format_version", None) not in (PLAN_FORMAT_VERSION,
+                                                                                             SLICED_FORMAT_VERSION):
+            raise UsageError(f"{where}: not a {PLAN_FORMAT} v{PLAN_FORMAT_VERSION} or v{SLICED_FORMAT_VERSION} header")
         return PlanHeader(**raw)
 
 
@@ -327,13 +329,9 @@ def plan_inputs(inputs: Inputs, classes: list[str], parameters: dict, *, shard_b
     rows = np.flatnonzero(kept)
     keys = inputs.keys()[rows]
     # lexsort is stable: equal keys (a name listed twice) keep listing order, as sorted() did.
-    sorting = np.lexsort((keys[:, 1], keys[:, 0]))
-    order = rows[sorting]
-    buckets = bucket_of(keys[sorting, 0], buckets_for(len(order)))
-    del keys, sorting
-    bounds = cut(np.frombuffer(inputs.sizes, dtype=np.int64), order, shard_bytes, shard_samples,
-                  np.flatnonzero(np.diff(buckets)) + 1)
-    del buckets
+    order = rows[np.lexsort((keys[:, 1], keys[:, 0]))]
+    del keys
+    bounds = cut(np.frombuffer(inputs.sizes, dtype=np.int64), order, shard_bytes, shard_samples)
     table = None
     if digests is not None:
         positions = np.flatnonzero(valid[order])
@@ -347,33 +345,19 @@ def buckets_for(inputs: int) -> int:
     return min(SUB_BUCKETS, max(1, -(-inputs // BUCKET_INPUTS)))
 
 
-def bucket_of(key_high: np.ndarray, buckets: int) -> np.ndarray:
-    """The bucket of each input, from the first 8 bytes of its shuffle key (a big-endian uint64):
-    runs of sub-buckets, so bucket order is key order."""
-    return (key_high.astype(np.uint64) >> np.uint64(52)).astype(np.int64) * buckets // SUB_BUCKETS
-
-
 def bucket_sub_buckets(bucket: int, buckets: int) -> range:
-    """The sub-buckets (top 12 key bits) that make up `bucket`."""
+    """The sub-buckets (top 12 key bits) that make up `bucket`: runs of them, so bucket order is
+    key order."""
     return range(-(-bucket * SUB_BUCKETS // buckets), -(-(bucket + 1) * SUB_BUCKETS // buckets))
 
 
-def cut(sizes: np.ndarray, order: np.ndarray, shard_bytes: int | None, shard_samples: int | None,
-        breaks: np.ndarray | None = None) -> np.ndarray:
+def cut(sizes: np.ndarray, order: np.ndarray, shard_bytes: int | None, shard_samples: int | None) -> np.ndarray:
     """Shard boundaries: a shard closes at `shard_samples`, or before the input that would take it
-    past `shard_bytes` (a single larger input still gets a shard), and always before a position in
-    `breaks` (ascending: where a bucket starts)."""
-    breaks = (breaks if breaks is not None else np.zeros(0, np.int64)).tolist() + [-1]
+    past `shard_bytes` (a single larger input still gets a shard)."""
     bounds = [0]
     count = total = 0
-    at = 0
     for start in range(0, len(order), _CUT_CHUNK):
         for position, size in enumerate((sizes[order[start:start + _CUT_CHUNK]] + SAMPLE_OVERHEAD).tolist(), start):
-            if position == breaks[at]:
-                at += 1
-                if count:
-                    bounds.append(position)
-                    count = total = 0
             if (shard_samples and count >= shard_samples) or (shard_bytes and count and total + size > shard_bytes):
                 bounds.append(position)
                 count = total = 0

@@ -1,10 +1,11 @@
 """One share of a corpus, for a job array that plans together (shards/array_plan.py): share s of n
-is a contiguous run of a Parquet list's row groups, or of a folder's top-level entries (class
-folders), so the shares in order are the listing's order.
+is rows [s*N/n, (s+1)*N/n) of a Parquet list, or a contiguous run of a folder's top-level entries
+(class folders), so the shares in order are the listing's order.
 
-A share is read alone: a remote list by ranged reads of its row groups (and the footer), a
-folder by listing only its top-level entries' subtrees (a local folder's link check still walks
-every folder, not their files). Per share: one record batch, or one folder's entries, at a time.
+A share is read alone: a list's row groups that hold its rows (a remote list by ranged reads,
+and its footer), a folder's top-level names (those of its share stat'ed) and its entries'
+subtrees (a local folder's link check still walks every folder, not their files). Per share: one
+record batch, or one folder's entries, at a time.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from vitforge.core import object_store
 from vitforge.core import is_remote as is_url
 
 from .folders import from_class_folders, from_folder, local_files, remote_files
-from .manifests import class_map, parquet_share_labels, parquet_share_records
+from .manifests import ParquetShare, class_map, parquet_share_labels, parquet_share_records
 from .records import SourceError, SourceRecord
 from .sources import MANIFEST_SUFFIXES, with_sizes
 
@@ -35,11 +36,15 @@ def check_source(src: str, columns: list[str]) -> None:
         if not is_url(src) and not os.path.isdir(src):
             raise SourceError(f"{src}: not a folder, and not a .csv/.jsonl/.parquet manifest")
         return
-    with _Opened(src) as source:
-        import pyarrow.parquet as pq
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
-        with pq.ParquetFile(source) as table:
-            names, rows = table.schema_arrow.names, table.metadata.num_rows
+    with _Opened(src) as source:
+        try:
+            with pq.ParquetFile(source) as table:
+                names, rows = table.schema_arrow.names, table.metadata.num_rows
+        except pa.ArrowInvalid as e:
+            raise SourceError(f"{src}: not a Parquet file ({e})") from None
     for column in columns:
         if column not in names:
             raise SourceError(f"{src}: no column {column!r} (columns: {', '.join(map(str, names))})")
@@ -53,8 +58,7 @@ def share_labels(src: str, share: tuple[int, int], label_column: str, follow_sym
     src = _local(src)
     if src.lower().endswith(".parquet"):
         with _Opened(src) as source:
-            groups, _ = _row_groups(source, share)
-            return sorted(parquet_share_labels(src, source, label_column, groups), key=repr)
+            return sorted(parquet_share_labels(src, source, label_column, _parquet_share(source, share)), key=repr)
     names: list[str] = []
     for _ in from_class_folders(src, _files(src, share, True, follow_symlinks, root), None, names, required=False):
         pass
@@ -75,9 +79,8 @@ def share_records(src: str, share: tuple[int, int], *, classes: list[str], numer
     src = _local(src)
     if src.lower().endswith(".parquet"):
         with _Opened(src) as source:
-            groups, first_row = _row_groups(source, share)
             records = parquet_share_records(src, source, classes, numeric, path_column, label_column, root,
-                                            url_list, meta_columns, groups, first_row)
+                                            url_list, meta_columns, _parquet_share(source, share))
             yield from records if url_list else with_sizes(records)
         return
     files = _files(src, share, label_column is not None, follow_symlinks, root)
@@ -93,15 +96,23 @@ def _files(src: str, share: tuple[int, int], by_class: bool, follow_symlinks: bo
     return local_files(src, follow_symlinks, root or src, by_class, share)
 
 
-def _row_groups(source, share: tuple[int, int]) -> tuple[range, int]:
-    """Share s of n of the file's row groups, and the number of rows before them."""
+def _parquet_share(source, share: tuple[int, int]) -> ParquetShare:
+    """Share s of n of the file's rows, and the row groups that hold them (a few large row groups
+    are split between tasks: each reads the groups its rows are in, and keeps only its rows)."""
     import pyarrow.parquet as pq
 
     with pq.ParquetFile(source) as table:
         counts = [table.metadata.row_group(g).num_rows for g in range(table.metadata.num_row_groups)]
+    starts = [0]
+    for count in counts:
+        starts.append(starts[-1] + count)
     s, n = share
-    groups = range(s * len(counts) // n, (s + 1) * len(counts) // n)
-    return groups, sum(counts[:groups.start])
+    rows = range(s * starts[-1] // n, (s + 1) * starts[-1] // n)
+    if not rows:
+        return ParquetShare(rows, range(0), 0)
+    first = max(g for g in range(len(counts)) if starts[g] <= rows.start)
+    last = min(g for g in range(len(counts)) if starts[g + 1] >= rows.stop)
+    return ParquetShare(rows, range(first, last + 1), starts[first])
 
 
 def _local(src: str) -> str:

@@ -18,17 +18,21 @@ from PIL import Image
 import vitforge.shards.plan as plan
 from common.checks import tree_bytes, without_plan
 from common.cli import vitforge
+from vitforge.core import open_store
 from vitforge.shards import ShardJob, run
+from vitforge.shards.array_plan import _shares
 from vitforge.shards.layout import FIRST
+from vitforge.shards.sources import list_corpus
 
 ROWS = 90
 SHARD_SAMPLES = 4
 BUCKET_INPUTS = 16  # so 90 inputs make 6 buckets, each cut on its own
 
 
-@pytest.fixture
-def listing(tmp_path):
-    """90 rows in row groups of 7 (13 groups): labels by name, a row without a label, a missing file."""
+@pytest.fixture(params=[7, ROWS], ids=["row-groups-of-7", "one-row-group"])
+def listing(request, tmp_path):
+    """90 rows in row groups of 7 (13 groups), or in one (split between tasks by rows): labels by
+    name, a row without a label, a missing file."""
     (tmp_path / "img").mkdir()
     rows = []
     for i in range(ROWS):
@@ -36,7 +40,7 @@ def listing(tmp_path):
         Image.new("RGB", (16 + i % 5, 16), (i * 7 % 256, i % 3 * 80, 0)).save(path)
         rows.append({"path": f"img/{i:03d}.jpg" if i != 13 else "img/missing.jpg",
                      "label": ["cat", "dog", "eel"][i % 3] if i % 17 else None, "caption": f"#{i}"})
-    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "list.parquet", row_group_size=7)
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "list.parquet", row_group_size=request.param)
     return tmp_path / "list.parquet"
 
 
@@ -83,8 +87,8 @@ def test_an_array_plans_a_parquet_list_together_to_the_plan_one_task_makes(listi
     # Each bucket is cut on its own: ceil(its inputs / 4) shards, none spanning two buckets.
     assert header["slice_shards"] == [-(-n // SHARD_SAMPLES) for n in header["slice_inputs"]]
     assert header["shards"] == manifest["totals"]["shards"] == sum(header["slice_shards"])
-    assert not (tmp_path / "three" / FIRST.plan_dir / "spread").exists() or \
-        not list((tmp_path / "three" / FIRST.plan_dir / "spread").iterdir())
+    spread = tmp_path / "three" / FIRST.plan_dir / "spread"
+    assert not spread.exists() or list(spread.iterdir()) == []
     # Slice k is numbered within itself; the first keys of the dataset are slice 0's.
     lines = [json.loads(line) for p in range(6)
              for line in gzip.decompress((tmp_path / "three" / FIRST.slice(p)).read_bytes()).splitlines()]
@@ -143,6 +147,63 @@ def test_an_array_plans_a_folder_together_class_ids_as_one_listing_gives(labelle
     assert manifest["totals"]["inputs"] == 70
     assert manifest["classes"] == ([str(c) for c in range(9)] if labelled else [])
     assert _header(tmp_path / "four")["parts"] == 5  # 70 inputs, buckets of 16
+
+
+def test_below_a_bucket_the_plan_is_the_one_a_single_task_makes_of_the_listing(listing, tmp_path):
+    """The array's plan (one bucket: 90 inputs) against plan.py's one-task planner on the same
+    records: the same items, shard by shard."""
+    run(_job(listing, tmp_path / "array", 3, 1))
+    store = open_store(str(tmp_path / "array"))
+    header = plan.read_header(store)
+    assert header.parts == 1 and header.slice_shards is not None
+    job = _job(listing, tmp_path / "array")
+    corpus = list_corpus(str(listing))
+    single = plan.make_plan(corpus, job.output_parameters(), seed=0, shard_bytes=None, shard_samples=SHARD_SAMPLES,
+                            dedup=False)
+    one = open_store(str(tmp_path / "single"))
+    plan.write_plan(one, single, parts=1)
+    assert plan.load_slice(store, header, 0, 1) == plan.load_slice(one, plan.read_header(one), 0, 1)
+    assert header.classes == corpus.classes == ["cat", "dog", "eel"]
+
+
+def test_a_plan_under_way_with_other_parameters_is_refused_and_leftovers_are_tidied(listing, tmp_path):
+    dest = tmp_path / "out"
+    # A job with --seed 0 began planning (its first task fixed the shares), then was cancelled.
+    _shares(_job(listing, dest, 3), open_store(str(dest)), FIRST)
+    result = vitforge("shard", listing, dest, "--shard-samples", str(SHARD_SAMPLES), "--shard-bytes", "0",
+                      "--seed", "1", "--num-parts", "3", "--part", "0", check=False)
+    assert result.returncode == 2, result.stderr
+    assert "a shard plan with other parameters is being made there, by `vitforge shard" in result.stderr
+    assert "--seed 1" not in result.stderr.split("by `")[1].split("`")[0] and "Traceback" not in result.stderr
+    # The same parameters finish it; a task that finds the plan made deletes what its steps left.
+    run(_job(listing, dest, 3, 0))
+    spread = dest / FIRST.plan_dir / "spread"
+    spread.mkdir(exist_ok=True)
+    (spread / "spill-00001-0000-0123456789ab.bin").write_bytes(b"left by a task thought dead")
+    run(_job(listing, dest, 3, 2))
+    assert not spread.exists() or list(spread.iterdir()) == []
+
+
+def test_a_task_killed_while_it_holds_a_bucket_is_taken_over(listing, tmp_path):
+    run(_job(listing, tmp_path / "one"))
+    dest = tmp_path / "array"
+    # Part 0 claims the bucket and hangs in it (a stand-in for a slow sort), then is killed -9.
+    code = ("import sys, time\nimport vitforge.shards.array_plan as ap\n"
+            "def stuck(*args, **kwargs):\n    print('holding', flush=True)\n    time.sleep(600)\n"
+            "ap._bucket = stuck\nfrom vitforge.shards import ShardJob, run\n"
+            f"run(ShardJob({str(listing)!r}, {str(dest)!r}, shard_samples={SHARD_SAMPLES}, shard_bytes=None, "
+            "num_parts=2, part=0))\n")
+    task = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert task.stdout.readline().strip() == "holding"
+        assert (dest / FIRST.plan_dir / "spread" / "bucket-00000.json.claim").exists()
+    finally:
+        task.kill()
+        task.wait()
+    # Part 1 (this host: the holder's pid is gone) takes the bucket over at once and finishes.
+    run(_job(listing, dest, 2, 1))
+    run(_job(listing, dest, 2, 0))
+    assert without_plan(tree_bytes(dest)) == without_plan(tree_bytes(tmp_path / "one"))
 
 
 def test_a_list_in_a_store_is_read_by_row_group_ranges(listing, small_buckets, s3_env, bucket, s3_server, tmp_path):
