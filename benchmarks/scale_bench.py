@@ -369,16 +369,20 @@ def array_plan_figures(report: dict) -> dict:
     share_rows = URL_LIST_ROWS // TASKS
     share_s = largest["seconds"] * share_rows / largest["rows"]
     share_mb = largest["peak_mb"] * min(share_rows, RUN_INPUTS) / largest["rows"]  # a task holds one run
-    full = [r for r in report["bucket"]["runs"].values() if r["rows"] >= 0.9 * BUCKET_INPUTS]
-    bucket_s = max(r["seconds"] * BUCKET_INPUTS / r["rows"] for r in full)
-    bucket_mb = max(r["peak_mb"] for r in full)
+    runs = list(report["bucket"]["runs"].values())
+    full = [r for r in runs if r["rows"] >= 0.9 * BUCKET_INPUTS]
+    # Below scale 0.01 no bucket is full size: the largest measured, scaled linearly (a smoke run's).
+    measured = full or [max(runs, key=lambda r: r["rows"])]
+    bucket_s = max(r["seconds"] * BUCKET_INPUTS / r["rows"] for r in measured)
+    bucket_mb = max(r["peak_mb"] * (1 if full else BUCKET_INPUTS / r["rows"]) for r in measured)
     buckets = buckets_for(URL_LIST_ROWS)
     per_task = math.ceil(buckets / TASKS)
     wall = share_s + per_task * bucket_s + 3 * 5
     peak = max(share_mb, bucket_mb)
     print(f"array plan: {URL_LIST_ROWS:,} rows over {TASKS} tasks: a share of {share_rows:,} rows {share_s:,.0f} s "
           f"({largest['rows']:,} measured, scaled linearly), then {per_task} of {buckets} buckets at {bucket_s:,.1f} s "
-          f"each (the slowest of {len(full)} full-size buckets measured), +15 s of polling = {wall:,.0f} s, "
+          f"each ({f'the slowest of {len(full)} full-size buckets measured' if full else 'scaled from a smaller one'}), "
+          f"+15 s of polling = {wall:,.0f} s, "
           f"target 600 s: {wall / 600:.2f}x (goal <= 1x)")
     print(f"array plan: per-task peak max(share {share_mb:,.0f} MB, bucket {bucket_mb:,.0f} MB) = {peak:,.0f} MB, "
           f"target 4,000 MB: {peak / 4000:.2f}x (goal <= 1x)")

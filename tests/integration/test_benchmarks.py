@@ -34,7 +34,8 @@ SMOKES = {  # benchmark: (its smallest arguments, the starts of the goal lines i
                      [f"{nodes} node(s): {figure}" for nodes in (1, 2, 4)
                       for figure in ("first-epoch egress, one order / partitioned", "partitioned first-epoch egress")]),
     "scale_bench": (["--scales", "0.0001", "--full", "", "--work", WORK, "--json", f"{WORK}/scale.json"],
-                    [f"{step} {figure} at paper scale" for step, figures in TARGETS.items() for figure in figures]),
+                    [f"{step} {figure} at paper scale" for step, figures in TARGETS.items() for figure in figures]
+                    + ["array plan: 400,000,000 rows over 64 tasks", "array plan: per-task peak"]),
     "fewshot_bench": (["--classes", "10", "--shots", "5", "--dim", "16", "--test", "50", "--e2e-images", "40",
                        "--e2e-shots", "1", "--corpus-images", "40", "--work", WORK],
                       ["one regulariser: vitforge"]),
