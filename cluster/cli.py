@@ -10,6 +10,7 @@ from dataclasses import asdict, fields
 
 from vitforge.trainer import PEAK_FLOPS
 
+from .mixture_plan import mixture_figures, mixture_report, parse_mixture
 from .planner import PlanInput, plan, report
 
 HELP = {
@@ -45,11 +46,19 @@ def main(argv: list[str]) -> int:
             continue
         kind = float if field.type in ("float", float) else int if field.type in ("int", int) else str
         p.add_argument(flag, type=kind, default=field.default, help=HELP[field.name])
+    p.add_argument("--mixture", nargs="+", metavar="IMAGES:WEIGHT",
+                   help="train on a mixture of these sources (data.train a list): each one's samples, passes, "
+                        "egress and node cache; --dataset-images becomes their sum")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = vars(p.parse_args(argv))
-    as_json = args.pop("json")
+    as_json, mixture = args.pop("json"), args.pop("mixture")
+    sources = parse_mixture(mixture) if mixture else []
+    if sources:
+        args["dataset_images"] = sum(images for images, _ in sources)
     inputs = PlanInput(**args)
     result = plan(inputs)
-    print(json.dumps({"inputs": asdict(inputs), **result}, indent=1, default=str) if as_json
-          else report(inputs, result))
+    if sources:
+        result["mixture"] = mixture_figures(inputs, result, sources)
+    text = report(inputs, result) + ("\n" + "\n".join(mixture_report(result["mixture"])) if sources else "")
+    print(json.dumps({"inputs": asdict(inputs), **result}, indent=1, default=str) if as_json else text)
     return 0

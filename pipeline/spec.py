@@ -9,6 +9,7 @@ loader, a few hundred bytes.
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -90,6 +91,13 @@ class LoaderSettings(BaseModel):
     the sample order would change; true: go on over the extended dataset from the next epoch (the
     rest of the saved one is not read). To keep the old set instead, name its version's manifest:
     data.train=FOLDER/dataset.vN.json."""
+    label_space: Literal["offset", "by_name"] = "offset"
+    """A mixture's labels (data.train a list of sources): offset = each source keeps its class ids
+    after the previous sources' (the model's head covers the sum); by_name = one class per distinct
+    class name across the sources (each source needs the class names of its dataset.json)."""
+    reweight: bool = False
+    """Resuming a mixture whose weights changed since the checkpoint is refused; true: go on with the
+    new weights from every source's saved position."""
 
     @field_validator("backend")
     @classmethod
@@ -103,6 +111,24 @@ class LoaderSettings(BaseModel):
     def _subset_form(cls, value):
         if value is not None and not (value <= 1 if isinstance(value, float) else value >= 1):
             raise ValueError("subset must be a fraction in (0, 1] or a sample count >= 1")
+        return value
+
+
+class MixtureSource(BaseModel):
+    """One source of a mixture (data.train: [{url: s3://a/shards, weight: 0.7}, ...])."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    url: str
+    """The dataset: what data.train takes for one (a folder or store prefix with dataset.json, tars)."""
+    weight: float
+    """Its share of every batch, relative to the other sources' weights (they need not sum to 1)."""
+
+    @field_validator("weight")
+    @classmethod
+    def _positive(cls, value: float, info) -> float:
+        if not (value > 0 and math.isfinite(value)):
+            raise ValueError(f"source {info.data.get('url', '?')} has weight {value}: a weight must be a number > 0")
         return value
 
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from vitforge.core import is_remote
-from vitforge.pipeline import LoaderSpec, build_loader
+from vitforge.pipeline import LoaderSpec, build_loader, build_mixture_loader
 
 from .checkpoint import Checkpointer
 from .config import Config, ConfigError
@@ -34,17 +34,21 @@ from .train import Trainer
 log = logging.getLogger("vitforge.train")
 
 
-def build_data_loader(cfg: Config, source: str, train: bool, env, device):
+def build_data_loader(cfg: Config, source, train: bool, env, device):
+    """A rank's loader of `source`: a dataset, or (training) a mixture's list of sources."""
+    mixture = isinstance(source, list)
     aug = cfg.augment
     crops = ({"scale": aug.crop_scale, "ratio": aug.crop_ratio, "flip": aug.flip, "randaugment": aug.randaugment}
              if train else {})
-    spec = LoaderSpec.of(cfg.data, source, batch_size=cfg.train.micro_batch, image_size=cfg.model.image_size,
+    spec = LoaderSpec.of(cfg.data, source[0].url if mixture else source, batch_size=cfg.train.micro_batch, image_size=cfg.model.image_size,
                          train=train, backend="synthetic" if source == "synthetic" else cfg.data.backend,
                          subset=cfg.data.subset if train else None,
                          dtype="bfloat16" if cfg.train.precision == "bf16" else "float32", **crops)
+    accumulation = cfg.accumulation(env.world_size) if train else 1
+    if mixture:
+        return build_mixture_loader(spec, source, env.rank, env.world_size, device, accumulation, env.local_world_size)
     return build_loader(spec, env.rank, env.world_size, device, synthetic_classes=cfg.model.num_classes or 1000,
-                        accumulation=cfg.accumulation(env.world_size) if train else 1,
-                        ranks_per_node=env.local_world_size)
+                        accumulation=accumulation, ranks_per_node=env.local_world_size)
 
 
 def metrics_folder(cfg: Config) -> str:
@@ -143,8 +147,9 @@ def check_labelled(objective: Objective, *loaders) -> None:
     if not objective.labelled:
         return
     unlabelled = " or ".join(o.name for o in OBJECTIVES.values() if not o.labelled)
-    for loader in loaders:
-        if loader is not None and loader.index is not None and not loader.index.labelled:
+    # a mixture's sources one by one, so the error names the one without labels
+    for loader in [part for loader in loaders if loader is not None for part in getattr(loader, "loaders", [loader])]:
+        if loader.index is not None and not loader.index.labelled:
             raise ConfigError(f"{loader.spec.dataset} has no class labels (sharded with --no-labels): {objective.name} "
                               f"needs them; pre-train on it with --set train.objective={unlabelled}")
 

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from vitforge.core import check_no_userinfo, check_store_url, is_remote, read_only, read_only_error, store_schemes
 from vitforge.core.store import scheme_of
 from vitforge.core.settings import Strict, Switch, load_validated
 from vitforge.pipeline import LoaderSettings
-from vitforge.pipeline.spec import CROP_RATIO, CROP_SCALE, CropRatio, CropScale, RandAugment
+from vitforge.pipeline.spec import CROP_RATIO, CROP_SCALE, CropRatio, CropScale, MixtureSource, RandAugment
 
 from .errors import ConfigError
 from .objectives import check_config
@@ -53,11 +53,29 @@ class DataConfig(LoaderSettings):
 
     model_config = ConfigDict(frozen=False, validate_assignment=True)
 
-    train: str
+    train: Annotated[Annotated[str, Tag("dataset")] | Annotated[list[MixtureSource], Tag("mixture")],
+                     Discriminator(lambda value: "mixture" if isinstance(value, list) else "dataset")]
     """Training shards: a folder or s3:// prefix holding dataset.json (from `vitforge shard`), tar
-    paths from any WebDataset writer (a glob or {000000..000099} braces), or "synthetic"."""
+    paths from any WebDataset writer (a glob or {000000..000099} braces), or "synthetic". Or a
+    mixture: a list of {url, weight}, each source in any store, each batch drawn from them at the
+    weights (docs/ARCHITECTURE.md, "Mixtures"); a plain string is one source of weight 1."""
     val: str | None = None
     """Held-out shards for evaluation (the same forms); null: no evaluation."""
+
+
+    @field_validator("train")
+    @classmethod
+    def _mixture(cls, value):
+        if isinstance(value, list):
+            urls = [source.url for source in value]
+            if not urls:
+                raise ValueError("a mixture needs at least one source")
+            if "synthetic" in urls:
+                raise ValueError("synthetic data is not a mixture's source")
+            repeated = sorted({u for u in urls if urls.count(u) > 1})
+            if repeated:
+                raise ValueError(f"a source is listed twice: {', '.join(repeated)} (give it one weight)")
+        return value
 
 
 class AugmentConfig(Strict):

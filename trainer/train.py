@@ -306,8 +306,11 @@ class Trainer:
         images_per_s_running = running * self.cfg.train.global_batch / (now - self.run_start[0])
         world = self.env.world_size
         stats = self.train_loader.stats()
+        loader_window = self.train_loader.window()
+        sources = loader_window.get("sources", [])  # a mixture's, each source's own wait
         # The slowest rank's wait is the job's: the others wait for it in the next collective.
-        wait = torch.tensor([self.train_loader.window()["data_wait_fraction"], stats["data_wait_fraction"]],
+        wait = torch.tensor([loader_window["data_wait_fraction"], stats["data_wait_fraction"],
+                             *[source["data_wait_fraction"] for source in sources]],
                             dtype=torch.float64, device=self.device)
         dist.all_reduce(wait, op=dist.ReduceOp.MAX)
         grad_norm = self.engine.get_global_grad_norm()
@@ -322,6 +325,9 @@ class Trainer:
             "memory_gb": (torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda"
                           else _max_rss_bytes()) / 2**30,
         }
+        for i, source in enumerate(stats.get("sources", [])):  # samples all ranks took from it since the run began
+            values[f"source_{i}_samples_seen"] = source["samples_taken"]
+            values[f"source_{i}_data_wait_fraction"] = wait[2 + i].item()
         self.metrics.write(step, values)
         if self.env.rank == 0:
             mfu = f" mfu {values['mfu']:.1%}" if values["mfu"] is not None else ""

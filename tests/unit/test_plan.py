@@ -79,3 +79,22 @@ def test_plan_cli_prints_and_refuses_bad_input():
     assert figures["gpus"] == 32 and figures["inputs"]["nodes"] == 4
     bad = vitforge("plan", "--device", "TPU9000", check=False)
     assert bad.returncode == errors.USAGE and "known devices are" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_mixture_plan_gives_each_source_its_share_of_the_samples_egress_and_cache():
+    figures = json.loads(vitforge("plan", "--nodes", "2", "--epochs", "3", "--mean-image-bytes", "100000",
+                                  "--shard-bytes", "1000000000", "--cache-limit-bytes", "60e9",
+                                  "--mixture", "4000000:3", "1000000:1", "--json").stdout)
+    assert figures["inputs"]["dataset_images"] == 5_000_000
+    samples = figures["steps"] * 4096  # 3 passes over the sum: 15M samples
+    big, small = figures["mixture"]
+    assert math.isclose(big["samples"], 0.75 * samples) and math.isclose(small["samples"], 0.25 * samples)
+    assert math.isclose(big["passes"], 0.75 * 15e6 / 4e6) and math.isclose(small["passes"], 3.75)
+    assert math.isclose(big["egress_bytes"], 0.75 * 15e6 * 100_000)  # each pass one copy of its shards
+    assert big["shards"] == 400 and small["shards"] == 100
+    assert math.isclose(small["egress_bytes_per_node"], 3.75 * 51 * 1e9)  # ceil(100 / 2) + 1 shards per node a pass
+    assert math.isclose(big["cache_bytes_per_node"] + small["cache_bytes_per_node"], 60e9)
+    text = vitforge("plan", "--mixture", "4000000:3", "1000000:1").stdout
+    assert "source 0: 4,000,000 images at weight 3 (75.0% of every batch)" in text
+    bad = vitforge("plan", "--mixture", "100:0", check=False)
+    assert bad.returncode == errors.USAGE and "--mixture '100:0'" in bad.stderr

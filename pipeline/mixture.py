@@ -1,0 +1,291 @@
+"""Training on a mixture: several datasets at chosen weights, each read by a loader of its own.
+
+Each source is the single-dataset loader (loader.py) over its own index, order, partitions and
+node cache, so what a rank holds and reads per source is what one loader holds and reads; the
+source cycles its own epochs (reshuffled each, independently) and the run's length is in steps.
+Every batch of every rank takes `batch_counts` samples from each source: the counts that bring
+each source's total (all ranks) nearest its weight's share after the batch (largest remainders),
+decided from counts alone, so the same on every rank, at any number of loader workers and on
+any backend. Within a batch the sources' samples are interleaved evenly (`interleave`).
+
+The bound: on every rank, in every run of k consecutive samples, each source's count differs
+from weight x k by less than 3 (tests/integration/test_mixture.py checks every window). A source
+is read a sub-batch at a time: it decodes whole batches of the spec's size and the mixture takes
+what each batch needs, holding the rest for the next (at most one batch per source per rank).
+
+Resume is exact per source: the state holds every source's loader state at the last sample
+taken (its epoch and position), the totals taken and the weights; a resume at another world
+size goes on with each source's order from where all ranks together left it. Changing the
+weights of a run is refused unless `reweight` (then it goes on from the saved positions).
+
+Labels: `offset` (each source's class ids after the previous sources', the head covers the sum)
+or `by_name` (one class per distinct name, in the order first seen over the sources). Keys are
+"SOURCE/SHARD.tar:KEY" and positions (source << 40) + position, so no two sources' samples share
+either. Per rank: one loader per source (its decode workers: the spec's, shared out by weight,
+at least one each when the spec has any), at most one held batch per source, O(sources) counts.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator, Literal, Sequence
+
+import numpy as np
+import torch
+
+from vitforge.core import CheckpointError
+
+from .backend import Batch, make_batch
+from .index import DatasetError, DatasetIndex
+from .loader import Loader, build_loader
+from .spec import LoaderSpec, MixtureSource
+
+SOURCE_SHIFT = 40  # a sample's position in the mixture: (source << SOURCE_SHIFT) + its own position
+MIXTURE_STATE_VERSION = 1
+
+
+def batch_counts(weights: Sequence[float], taken: Sequence[int], world_size: int, batch: int) -> list[int]:
+    """Samples of each source in every rank's next batch (summing to `batch`): each source's
+    deficit against its share of the total after the batch (all ranks: `taken`), per rank, rounded
+    by largest remainders, ties to the first source; a source ahead of its share takes none."""
+    norm = sum(weights)
+    after = sum(taken) + world_size * batch
+    want = [max(0.0, (w / norm * after - t) / world_size) for w, t in zip(weights, taken)]
+    scale = batch / sum(want) if sum(want) > 0 else 0.0
+    want = [x * scale for x in want] if scale else [batch * w / norm for w in weights]
+    counts = [int(x) for x in want]
+    for i in sorted(range(len(want)), key=lambda i: (counts[i] - want[i], i))[:batch - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+def interleave(counts: Sequence[int]) -> np.ndarray:
+    """A batch's order from its sources' sub-batches laid end to end: sample t of source s goes to
+    the place (t + 1/2) / counts[s] of the batch, ties to the first source."""
+    places = [((t + 0.5) / n, s, t) for s, n in enumerate(counts) for t in range(n)]
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    return np.asarray([starts[s] + t for _, s, t in sorted(places)], dtype=np.int64)
+
+
+class _SourceStream:
+    """One source's samples for this rank, in its loader's order, a sub-batch at a time. The
+    loader's (epoch, consumed) always stand at the next sample not yet taken."""
+
+    def __init__(self, loader: Loader):
+        self.loader = loader
+        self._batches: Iterator[Batch] | None = None
+        self._held: Batch | None = None
+        self._at = 0  # samples of the held batch taken
+        self._start = 0  # consumed when the iterator started
+        self._taken = 0  # samples taken by this rank since then
+        self.wait_seconds = 0.0
+
+    def take(self, n: int) -> list[Batch]:
+        pieces = []
+        while n:
+            if self._held is None or self._at == len(self._held["label"]):
+                self._held, self._at = self._next(), 0
+            size = min(n, len(self._held["label"]) - self._at)
+            pieces.append(_piece(self._held, self._at, self._at + size))
+            self._at += size
+            self._taken += size
+            n -= size
+            loader = self.loader
+            loader.consumed = self._start + loader.world_size * self._taken
+        return pieces
+
+    def _next(self) -> Batch:
+        loader = self.loader
+        while True:
+            if self._batches is None:
+                if loader.consumed == 0 and loader._slice().num_batches == 0:
+                    raise DatasetError(f"mixture source {loader.spec.dataset}: {loader.num_samples} samples, fewer "
+                                       f"than one batch of {loader.spec.batch_size} for each of {loader.world_size} "
+                                       "ranks")
+                self._start, self._taken = loader.consumed, 0
+                self._batches = loader.backend.batches(loader.epoch, loader._slice())
+            asked = time.perf_counter()
+            batch = next(self._batches, None)
+            self.wait_seconds += time.perf_counter() - asked
+            if batch is not None:  # the source's own totals, as its Loader keeps them when iterated itself
+                loader.images += len(batch["label"])
+                loader.bad_keys += batch["bad"]
+                for name, value in batch["reads"].items():
+                    loader.reads[name] += value
+                return batch
+            self._batches = None  # the source's epoch ended: its next, reshuffled
+            loader.epoch, loader.consumed = loader.epoch + 1, 0
+
+
+def _piece(batch: Batch, start: int, stop: int) -> Batch:
+    return Batch(image=batch["image"][start:stop], label=batch["label"][start:stop], real=batch["real"][start:stop],
+                 key=batch["key"][start:stop], position=batch["position"][start:stop],
+                 bad=batch["bad"] if start == 0 else [], reads=batch["reads"] if start == 0 else {})
+
+
+class MixtureIndex:
+    """What the trainer reads of a dataset, for the mixture: classes in the label space, labelled."""
+
+    def __init__(self, indexes: list[DatasetIndex], urls: list[str], label_space: str):
+        self.labelled = all(ix.labelled for ix in indexes)
+        self.maps: list[torch.Tensor] = []
+        if label_space == "offset":
+            names: list[str] = []
+            for ix in indexes:
+                count = ix.num_classes or 0
+                self.maps.append(torch.arange(len(names), len(names) + count))
+                names += [f"{len(self.maps) - 1}/{c}" for c in (ix.classes or map(str, range(count)))]
+        else:
+            ids: dict[str, int] = {}
+            for url, ix in zip(urls, indexes):
+                if ix.num_classes and not ix.classes:
+                    raise DatasetError(f"{url}: data.label_space=by_name needs the class names of dataset.json; "
+                                       "these shards have class ids only")
+                if ix.classes and len(set(ix.classes)) != len(ix.classes):
+                    raise DatasetError(f"{url}: its class names repeat, so by name they would merge classes")
+                self.maps.append(torch.tensor([ids.setdefault(c, len(ids)) for c in (ix.classes or [])],
+                                              dtype=torch.int64))
+            names = list(ids)
+        self.classes = names
+        self.num_classes = len(names) or None
+
+
+class MixtureLoader:
+    """A Loader's interface (iteration, epoch, state, stats) over several sources at weights."""
+
+    def __init__(self, sources: list[MixtureSource], loaders: list[Loader], label_space: Literal["offset", "by_name"],
+                 accumulation: int = 1, reweight: bool = False):
+        self.sources, self.loaders, self.accumulation, self.reweight = sources, loaders, accumulation, reweight
+        self.spec = loaders[0].spec
+        self.rank, self.world_size = loaders[0].rank, loaders[0].world_size
+        self.index = MixtureIndex([ld.index for ld in loaders], [s.url for s in sources], label_space)
+        self.label_space = label_space
+        self.num_samples = sum(ld.num_samples for ld in loaders)
+        self.streams = [_SourceStream(ld) for ld in loaders]
+        self.weights = [s.weight for s in sources]
+        self.taken = [0] * len(sources)  # samples taken from each source by all ranks since the run began
+        self.epoch = 0  # passes over the sum of the sources' samples (what per-step randomness hashes)
+        self.epoch_taken = 0  # samples all ranks took in this pass
+        self.images = 0
+        self.started: float | None = None
+        self._window = (None, 0, [0.0] * len(sources), [0] * len(sources))
+
+    @property
+    def wait_seconds(self) -> float:
+        return sum(s.wait_seconds for s in self.streams)
+
+    def _epoch_length(self) -> int:
+        per_step = self.world_size * self.spec.batch_size * self.accumulation
+        return self.num_samples // per_step * per_step
+
+    def __len__(self) -> int:
+        return (self._epoch_length() - self.epoch_taken) // (self.world_size * self.spec.batch_size)
+
+    def __iter__(self) -> Iterator[Batch]:
+        step = self.world_size * self.spec.batch_size
+        while self.epoch_taken + step <= self._epoch_length():
+            if self.started is None:
+                self.started = time.perf_counter()
+            counts = batch_counts(self.weights, self.taken, self.world_size, self.spec.batch_size)
+            batch = self._assemble(counts)
+            for s, n in enumerate(counts):
+                self.taken[s] += n * self.world_size
+            self.epoch_taken += step
+            self.images += len(batch["label"])
+            yield batch
+        self.epoch, self.epoch_taken = self.epoch + 1, 0
+
+    def _assemble(self, counts: list[int]) -> Batch:
+        pieces, sources = [], []
+        for s, n in enumerate(counts):
+            for piece in self.streams[s].take(n):
+                pieces.append(piece)
+                sources.append(s)
+        order = torch.from_numpy(interleave(counts))
+        labels = []
+        for s, piece in zip(sources, pieces):
+            label = piece["label"]
+            table = self.index.maps[s].to(label.device)
+            labels.append(torch.where(label >= 0, table[label.clamp(min=0)] if len(table) else label, label))
+        image = torch.cat([p["image"] for p in pieces])
+        label = torch.cat(labels)
+        position = torch.cat([p["position"] + (s << SOURCE_SHIFT) for s, p in zip(sources, pieces)]).numpy()
+        keys = [f"{s}/{k}" for s, p in zip(sources, pieces) for k in p["key"]]
+        reads: dict[str, int] = {}
+        for p in pieces:
+            for name, value in p["reads"].items():
+                reads[name] = reads.get(name, 0) + value
+        return make_batch(image[order.to(image.device)], label[order.to(label.device)], position[order.numpy()],
+                          torch.cat([p["real"] for p in pieces])[order].numpy(), [keys[i] for i in order.tolist()],
+                          [f"{s}/{b}" for s, p in zip(sources, pieces) for b in p["bad"]], reads)
+
+    def state_dict(self) -> dict:
+        return {"mixture": MIXTURE_STATE_VERSION, "urls": [s.url for s in self.sources], "weights": self.weights,
+                "label_space": self.label_space, "taken": list(self.taken), "epoch": self.epoch,
+                "epoch_taken": self.epoch_taken, "sources": [ld.state_dict() for ld in self.loaders]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "mixture" not in state:
+            raise CheckpointError("this run was saved training on one dataset, not a mixture: data.train must "
+                                  "name that one dataset to resume it")
+        if state["urls"] != [s.url for s in self.sources]:
+            raise CheckpointError(f"this run's mixture is {state['urls']}; data.train names {[s.url for s in self.sources]}")
+        if state["label_space"] != self.label_space:
+            raise CheckpointError(f"this run's labels are data.label_space={state['label_space']}, not {self.label_space}")
+        if state["weights"] != self.weights and not self.reweight:
+            raise CheckpointError(f"this run's weights are {state['weights']}, data.train asks {self.weights}: set "
+                                  "data.reweight=true to go on with the new weights from the saved positions")
+        for loader, saved in zip(self.loaders, state["sources"]):
+            loader.load_state_dict(saved)
+        self.taken, self.epoch, self.epoch_taken = list(state["taken"]), state["epoch"], state["epoch_taken"]
+
+    def prepare(self) -> None:
+        for loader in self.loaders:
+            loader.prepare()
+
+    def window(self) -> dict:
+        """Images/s and data-wait fraction since the previous call, and each source's share of both."""
+        now = time.perf_counter()
+        start, images, waits, taken = self._window
+        start = start or self.started or now
+        elapsed = now - start
+        self._window = (now, self.images, [s.wait_seconds for s in self.streams], list(self.taken))
+        wait = sum(s.wait_seconds for s in self.streams) - sum(waits)
+        return {"images_per_s": (self.images - images) / elapsed if elapsed else 0.0,
+                "data_wait_fraction": wait / elapsed if elapsed else 0.0,
+                "sources": [{"samples": t - t0, "data_wait_fraction": (s.wait_seconds - w) / elapsed if elapsed else 0.0}
+                            for s, w, t, t0 in zip(self.streams, waits, self.taken, taken)]}
+
+    def stats(self) -> dict:
+        elapsed = time.perf_counter() - self.started if self.started else 0.0
+        per_source = [ld.stats() for ld in self.loaders]
+        totals = {name: sum(s[name] for s in per_source) for name in
+                  ("bad_samples", "store_requests", "bytes_read", "shard_opens", "shard_fetches")}
+        return {"backend": per_source[0]["backend"], "images": self.images,
+                "images_per_s": self.images / elapsed if elapsed else 0.0,
+                "data_wait_fraction": self.wait_seconds / elapsed if elapsed else 0.0, **totals,
+                "cache_hit_rate": 1 - totals["shard_fetches"] / totals["shard_opens"] if totals["shard_opens"] else None,
+                "sources": [{"url": src.url, "weight": src.weight, "samples_taken": t,
+                             "data_wait_s": stream.wait_seconds} for src, t, stream in
+                            zip(self.sources, self.taken, self.streams)]}
+
+
+def build_mixture_loader(spec: LoaderSpec, sources: list[MixtureSource], rank: int = 0, world_size: int = 1,
+                         device: torch.device | str = "cpu", accumulation: int = 1,
+                         ranks_per_node: int = 1) -> MixtureLoader:
+    """A loader of `sources` at their weights for one rank: `spec` with each source's dataset. Each
+    source's loader gets its weight's share of the node cache (data.cache_gb bounds them together)
+    and of the decode workers (at least one each when the spec has any); its epochs end by "drop"
+    (the mixture takes sample by sample, so no source needs padding)."""
+    total = sum(s.weight for s in sources)
+    loaders = []
+    for source in sources:
+        share = source.weight / total
+        workers = max(1, round(spec.workers * share)) if spec.workers else 0
+        part = spec.model_copy(update={"dataset": source.url, "cache_gb": spec.cache_gb * share, "workers": workers,
+                                       "epoch_end": "drop"})
+        try:
+            loaders.append(build_loader(part, rank, world_size, device, ranks_per_node=ranks_per_node))
+        except DatasetError as e:
+            raise DatasetError(f"mixture source {source.url}: {e}") from None
+    return MixtureLoader(sources, loaders, spec.label_space, accumulation, spec.reweight)
