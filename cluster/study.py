@@ -54,6 +54,10 @@ class StudySpec(Strict):
     # e.g. {"resnetv2_*": [model.pre_logits=false]} where the recipe's ViT settings do not fit a ResNet
     model_overrides: dict[str, list[str]] = {}
     local_ranks: int = Field(2, ge=1)  # processes per run when launched locally (torchrun)
+    # A mixture study: every run trains on these sources (data.train as a list), once per weight
+    # setting in `weights` (one weight per source each), collected like the subsets.
+    mixture: list[str] = []
+    weights: list[list[float]] = []
 
     @field_validator("subsets")
     @classmethod
@@ -70,12 +74,24 @@ class StudySpec(Strict):
             raise ValueError(f"training lengths must be >= 1 step, not {values}")
         return values
 
+    @field_validator("weights")
+    @classmethod
+    def _weights(cls, values, info):
+        sources = info.data.get("mixture", [])
+        if values and not sources:
+            raise ValueError("weights vary a mixture: name its sources in `mixture`")
+        for setting in values:
+            if len(setting) != len(sources) or not all(w > 0 for w in setting):
+                raise ValueError(f"{setting}: one weight > 0 for each of the {len(sources)} sources of `mixture`")
+        return values
+
 
 @dataclass(frozen=True)
 class StudyRun:
     model: str
     subset: float | int
     steps: int | None  # None: the recipe's
+    weights: tuple[float, ...] | None  # the mixture's weights (StudySpec.mixture); None: the recipe's data.train
     name: str
     url: str
     overrides: list[str]
@@ -86,20 +102,30 @@ def load_study(path: str, overrides: list[str] = ()) -> StudySpec:
 
 
 def runs(study: StudySpec) -> list[StudyRun]:
-    """One run per (model, subset, training length), smallest subset and shortest length first."""
+    """One run per (model, subset, training length, mixture weights), smallest subset and shortest
+    length first."""
     out = []
     for model in study.models:
         for subset in study.subsets:
             for steps in study.steps or [None]:
-                length = f"-{steps}steps" if steps else ""
-                name = re.sub(r"[^A-Za-z0-9_.-]", "-", f"{study.name}-{model}-{subset}{length}")
-                mine = [item for pattern, items in study.model_overrides.items() if fnmatch(model, pattern)
-                        for item in items]
-                out.append(StudyRun(model, subset, steps, name, f"{study.checkpoint_dir.rstrip('/')}/{name}",
-                                    [*study.overrides, *mine, f"model.name={model}", f"data.subset={subset}",
-                                     *([f"train.steps={steps}"] if steps else []),
-                                     f"checkpoint.dir={study.checkpoint_dir}", f"checkpoint.run={name}"]))
+                for weights in study.weights or [None]:
+                    length = f"-{steps}steps" if steps else ""
+                    mixed = "-w" + "-".join(f"{w:g}" for w in weights) if weights else ""
+                    name = re.sub(r"[^A-Za-z0-9_.-]", "-", f"{study.name}-{model}-{subset}{length}{mixed}")
+                    mine = [item for pattern, items in study.model_overrides.items() if fnmatch(model, pattern)
+                            for item in items]
+                    train = [f"data.train={_mixture(study.mixture, weights)}"] if weights else []
+                    out.append(StudyRun(model, subset, steps, tuple(weights) if weights else None, name,
+                                        f"{study.checkpoint_dir.rstrip('/')}/{name}",
+                                        [*study.overrides, *mine, f"model.name={model}", f"data.subset={subset}",
+                                         *([f"train.steps={steps}"] if steps else []), *train,
+                                         f"checkpoint.dir={study.checkpoint_dir}", f"checkpoint.run={name}"]))
     return out
+
+
+def _mixture(urls: list[str], weights: list[float]) -> str:
+    """data.train's value for a mixture, as a --set takes it (YAML)."""
+    return json.dumps([{"url": url, "weight": weight} for url, weight in zip(urls, weights)])
 
 
 def launch_spec(study: StudySpec, run: StudyRun) -> LaunchSpec:
@@ -160,6 +186,7 @@ def collect(study: StudySpec) -> list[dict]:
             per_image[shape] = 3 * forward_flops(*shape)
         seen = results["step"] * config.get("train", {}).get("global_batch", 0)
         rows.append({"model": run.model, "subset": run.subset, "run": run.url,
+                     **({"weights": list(run.weights)} if run.weights else {}),
                      "train_samples": results["train_samples"], "step": results["step"],
                      "samples_seen": seen, "train_flops": per_image[shape] * seen,
                      **{k: v for k, v in results.items() if k.startswith("eval_")}})
@@ -178,11 +205,13 @@ def figure_metric(rows: list[dict], asked: str | None = None) -> str | None:
 
 
 def table(rows: list[dict], metric: str | None) -> str:
-    lines = ["| model | subset | steps | training samples | samples seen | training FLOPs | " + (metric or "eval")
-             + " |", "|---|---|---|---|---|---|---|"]
+    mixed = any("weights" in row for row in rows)  # a mixture study: a column for each run's weights
+    lines = ["| model | subset | " + ("weights | " if mixed else "") + "steps | training samples | samples seen | "
+             "training FLOPs | " + (metric or "eval") + " |", "|---" * (7 + mixed) + "|"]
     for row in rows:
         value = f"{row[metric]:.4f}" if metric and isinstance(row.get(metric), (int, float)) else "-"
-        lines.append(f"| {row['model']} | {row['subset']} | {row['step']} | {row['train_samples']} | "
+        weights = f"{'/'.join(f'{w:g}' for w in row.get('weights', []))} | " if mixed else ""
+        lines.append(f"| {row['model']} | {row['subset']} | {weights}{row['step']} | {row['train_samples']} | "
                      f"{row['samples_seen']} | {row['train_flops']:.3g} | {value} |")
     return "\n".join(lines)
 
@@ -197,11 +226,14 @@ def plot(rows: list[dict], metric: str | None, x: str, path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(5, 4))
     # Across sizes, a line per training length; across compute, a line per model.
-    line_of = (lambda r: (r["model"], r["step"])) if x == "train_samples" else (lambda r: (r["model"],))
+    line_of = ((lambda r: (r["model"], r["step"], *r.get("weights", []))) if x == "train_samples"
+               else (lambda r: (r["model"], *r.get("weights", []))))
     lengths = len({r["step"] for r in rows})
     for line in dict.fromkeys(map(line_of, rows)):
         mine = sorted((r for r in rows if line_of(r) == line and metric in r), key=lambda r: r[x])
-        label = line[0] if len(line) == 1 or lengths == 1 else f"{line[0]}, {line[1]} steps"
+        label = line[0] if x != "train_samples" or lengths == 1 else f"{line[0]}, {line[1]} steps"
+        if len(line) > (2 if x == "train_samples" else 1):  # a mixture study: the weights
+            label += ", weights " + "/".join(f"{w:g}" for w in line[2 if x == "train_samples" else 1:])
         ax.plot([r[x] for r in mine], [r[metric] for r in mine], marker="o", label=label)
     ax.set_xscale("log")
     ax.set_xlabel("Training samples (pre-training set size)" if x == "train_samples" else "Pre-training FLOPs")

@@ -12,8 +12,9 @@ A study spec (YAML): name, launch (a launch spec: resources and the trainer reci
 models, subsets (data.subset values: the smaller subsets lie inside the larger ones), steps
 (training lengths, one run each; [] for the recipe's), metric (the figures' y; default: the
 few-shot top-1 with the most shots, which the runs report with eval.probes and eval.fewshot in
-their overrides), overrides (trainer --set for every run), local_ranks. Shipped:
-tiny_cpu_data_scale, paper_data_scale, paper_compute.
+their overrides), overrides (trainer --set for every run), local_ranks; for a mixture study,
+mixture (source URLs) and weights (settings, one weight per source each: a run per setting).
+Shipped: tiny_cpu_data_scale, paper_data_scale, paper_compute.
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ from . import slurm
 from .spec import check_against
 from .study import (StudyError, array_script, check_runs, collect, figure_metric, load_study, run_locally, runs,
                     table, write_results)
+
+
+def describe(run) -> str:
+    weights = f", weights {'/'.join(f'{w:g}' for w in run.weights)}" if run.weights else ""
+    return f"model {run.model}, subset {run.subset}, steps {run.steps or 'as the recipe'}{weights}"
 
 
 def main(argv: list[str]) -> int:
@@ -65,8 +71,7 @@ def main(argv: list[str]) -> int:
         return 0
     if args.local:
         for run in runs(study):
-            print(f"run {run.name}: model {run.model}, subset {run.subset}, steps {run.steps or 'as the recipe'}",
-                  flush=True)
+            print(f"run {run.name}: {describe(run)}", flush=True)
             code = run_locally(study, run)
             if code:
                 print(f"run {run.name} failed (exit {code}); later runs not started")
@@ -80,7 +85,6 @@ def main(argv: list[str]) -> int:
         f.write(script)
     job = slurm.submit(path)
     for task, run in enumerate(runs(study)):
-        print(f"submitted {run.name} as job {job}_{task}: model {run.model}, subset {run.subset}, steps "
-              f"{run.steps or 'as the recipe'}")
+        print(f"submitted {run.name} as job {job}_{task}: {describe(run)}")
     print(f"job array {job}: {len(runs(study))} task(s), script {path}")
     return 0

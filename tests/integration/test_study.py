@@ -10,6 +10,7 @@ import pytest
 
 from common.cli import EXTENSIONS, REPO, vitforge
 from test_cluster import _wait
+from vitforge.cluster.study import table as study_table
 
 
 def study_files(data, tmp_path, models: list[str], subsets: list, ranks: int, steps: list[int] = ()) -> str:
@@ -135,3 +136,24 @@ def test_a_study_spec_without_a_required_key_is_refused(tmp_path, missing):
     path.write_text("".join(f"{k}: {v}\n" for k, v in spec.items()))
     result = vitforge("study", "data-scale", path, "--dry-run", check=False)
     assert result.returncode == 2 and missing in result.stderr
+
+
+def test_a_mixture_study_runs_once_per_weight_setting_and_collects_the_weights(data, tmp_path):
+    study = study_files(data, tmp_path, ["vit_tiny_cpu"], [1.0], ranks=1)
+    a, b = data / "train", data / "val"
+    with open(study, "a") as f:
+        f.write(f"mixture: [{a}, {b}]\nweights: [[0.7, 0.3], [0.5, 0.5]]\n")
+    script = vitforge("study", "data-scale", study, "--dry-run").stdout
+    assert "#SBATCH --array=0-1\n" in script and "--set checkpoint.run=scale-vit_tiny_cpu-1.0-w0.7-0.3)" in script
+    assert f'data.train=[{{"url": "{a}", "weight": 0.5}}, {{"url": "{b}", "weight": 0.5}}]' in script
+    rows = [{"model": "vit_tiny_cpu", "subset": 1.0, "weights": w, "step": 20, "train_samples": 500, "samples_seen": 640,
+             "train_flops": 1e12, "eval_top1": top1} for w, top1 in (([0.7, 0.3], 0.5), ([0.5, 0.5], 0.25))]
+    text = study_table(rows, "eval_top1")
+    assert text.splitlines()[0].startswith("| model | subset | weights | steps |")
+    assert "| vit_tiny_cpu | 1.0 | 0.7/0.3 | 20 | 500 | 640 | 1e+12 | 0.5000 |" in text
+    for bad, words in (("weights: [[0.7]]", "one weight > 0 for each of the 2 sources"),
+                       ("weights: [[0.7, 0]]", "one weight > 0 for each of the 2 sources")):
+        spec = tmp_path / "bad.yaml"
+        spec.write_text(open(study).read().replace("weights: [[0.7, 0.3], [0.5, 0.5]]", bad))
+        result = vitforge("study", "data-scale", spec, "--dry-run", check=False)
+        assert result.returncode == 2 and words in result.stderr and "Traceback" not in result.stderr
