@@ -6,27 +6,30 @@ source cycles its own epochs (reshuffled each, independently) and the run's leng
 Every batch of every rank takes `batch_counts` samples from each source: the counts that bring
 each source's total (all ranks) nearest its weight's share after the batch (largest remainders),
 decided from counts alone, so the same on every rank, at any number of loader workers and on
-any backend. Within a batch the sources' samples are interleaved evenly (`interleave`).
+any backend. Within a batch the sources' samples are interleaved evenly (`interleave`). After
+a reweight (data.reweight) the counts go by what was taken since, not since the run began.
 
 The bound: on every rank, in every run of k consecutive samples, each source's count differs
-from weight x k by less than 3 (tests/integration/test_mixture.py checks every window). A source
+from weight x k by less than 4 (tests/integration/test_mixture.py checks every window). A source
 is read a sub-batch at a time: it decodes whole batches of the spec's size and the mixture takes
 what each batch needs, holding the rest for the next (at most one batch per source per rank).
 
 Resume is exact per source: the state holds every source's loader state at the last sample
-taken (its epoch and position), the totals taken and the weights; a resume at another world
-size goes on with each source's order from where all ranks together left it. Changing the
+taken (its epoch and position), the totals taken and the weights, so a resume at any world size
+takes each source's positions on from where all ranks together left them (only the few repeats
+that even out a source epoch's last row of ranks depend on the world size). Changing the
 weights of a run is refused unless `reweight` (then it goes on from the saved positions).
 
 Labels: `offset` (each source's class ids after the previous sources', the head covers the sum)
 or `by_name` (one class per distinct name, in the order first seen over the sources). Keys are
 "SOURCE/SHARD.tar:KEY" and positions (source << 40) + position, so no two sources' samples share
 either. Per rank: one loader per source (its decode workers: the spec's, shared out by weight,
-at least one each when the spec has any), at most one held batch per source, O(sources) counts.
+never more in all), at most one held batch per source, O(sources) counts.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Iterator, Literal, Sequence
 
@@ -69,52 +72,57 @@ def interleave(counts: Sequence[int]) -> np.ndarray:
 
 class _SourceStream:
     """One source's samples for this rank, in its loader's order, a sub-batch at a time. The
-    loader's (epoch, consumed) always stand at the next sample not yet taken."""
+    loader's (epoch, consumed) always stand at the next sample not yet taken. From position c an
+    epoch gives each rank ceil((N - c) / W) samples (positions rank, rank + W, ...): every position
+    below N once, and fewer than W past it, which repeat the epoch's first samples as the loader's
+    "pad" does. So every rank takes the same number, and a resume at another world size takes
+    the same positions below N; only the count of repeats at the epoch's end differs."""
 
     def __init__(self, loader: Loader):
         self.loader = loader
         self._batches: Iterator[Batch] | None = None
         self._held: Batch | None = None
         self._at = 0  # samples of the held batch taken
-        self._start = 0  # consumed when the iterator started
-        self._taken = 0  # samples taken by this rank since then
+        self._left = 0  # samples of this epoch this rank has still to take
         self.wait_seconds = 0.0
 
     def take(self, n: int) -> list[Batch]:
         pieces = []
         while n:
+            if self._batches is None or self._left == 0:
+                self._start_epoch()
             if self._held is None or self._at == len(self._held["label"]):
                 self._held, self._at = self._next(), 0
-            size = min(n, len(self._held["label"]) - self._at)
+            size = min(n, len(self._held["label"]) - self._at, self._left)
             pieces.append(_piece(self._held, self._at, self._at + size))
             self._at += size
-            self._taken += size
+            self._left -= size
             n -= size
-            loader = self.loader
-            loader.consumed = self._start + loader.world_size * self._taken
+            self.loader.consumed += self.loader.world_size * size
         return pieces
+
+    def _start_epoch(self) -> None:
+        """The iterator from the loader's position, after moving to the next epoch if this one is done."""
+        loader = self.loader
+        if self._batches is not None:
+            self._batches.close()  # what it decoded ahead is past this epoch's end
+        if self._batches is not None or loader.consumed >= loader.num_samples:
+            loader.epoch, loader.consumed = loader.epoch + 1, 0
+        self._held, self._at = None, 0
+        self._left = -(-(loader.num_samples - loader.consumed) // loader.world_size)
+        self._batches = loader.backend.batches(loader.epoch, loader._slice())
 
     def _next(self) -> Batch:
         loader = self.loader
-        while True:
-            if self._batches is None:
-                if loader.consumed == 0 and loader._slice().num_batches == 0:
-                    raise DatasetError(f"mixture source {loader.spec.dataset}: {loader.num_samples} samples, fewer "
-                                       f"than one batch of {loader.spec.batch_size} for each of {loader.world_size} "
-                                       "ranks")
-                self._start, self._taken = loader.consumed, 0
-                self._batches = loader.backend.batches(loader.epoch, loader._slice())
-            asked = time.perf_counter()
-            batch = next(self._batches, None)
-            self.wait_seconds += time.perf_counter() - asked
-            if batch is not None:  # the source's own totals, as its Loader keeps them when iterated itself
-                loader.images += len(batch["label"])
-                loader.bad_keys += batch["bad"]
-                for name, value in batch["reads"].items():
-                    loader.reads[name] += value
-                return batch
-            self._batches = None  # the source's epoch ended: its next, reshuffled
-            loader.epoch, loader.consumed = loader.epoch + 1, 0
+        asked = time.perf_counter()
+        batch = next(self._batches)  # never ends first: "pad" reaches past the epoch's end
+        self.wait_seconds += time.perf_counter() - asked
+        # the source's own totals, as its Loader keeps them when iterated itself
+        loader.images += len(batch["label"])
+        loader.bad_keys += batch["bad"]
+        for name, value in batch["reads"].items():
+            loader.reads[name] += value
+        return batch
 
 
 def _piece(batch: Batch, start: int, stop: int) -> Batch:
@@ -148,6 +156,25 @@ class MixtureIndex:
             names = list(ids)
         self.classes = names
         self.num_classes = len(names) or None
+        self.label_space = label_space
+        self._first = indexes[0].classes if indexes else None
+
+    def check_eval(self, classes: list[str] | None, url: str) -> None:
+        """A held-out set scored against this label space: its class i must be the mixture's class
+        i (by name; with `offset`, the first source's classes), else its accuracy would be wrong."""
+        if not classes:
+            return
+        if self.label_space == "by_name":
+            wrong = [(i, c) for i, c in enumerate(classes) if i >= len(self.classes) or self.classes[i] != c]
+            mixture = self.classes
+        else:
+            wrong = [] if classes == (self._first or [])[:len(classes)] else [(0, classes[0])]
+            mixture = self._first or []
+        if wrong:
+            i, name = wrong[0]
+            raise DatasetError(f"data.val {url}: its class {i} is {name!r}, the mixture's is "
+                               f"{mixture[i] if i < len(mixture) else 'none'!r} (data.label_space={self.label_space}): "
+                               "evaluate on a set whose classes are the mixture's, in its order")
 
 
 class MixtureLoader:
@@ -159,11 +186,13 @@ class MixtureLoader:
         self.spec = loaders[0].spec
         self.rank, self.world_size = loaders[0].rank, loaders[0].world_size
         self.index = MixtureIndex([ld.index for ld in loaders], [s.url for s in sources], label_space)
+        self._tables: dict[tuple[int, torch.device], torch.Tensor] = {}  # each source's label map, per device
         self.label_space = label_space
         self.num_samples = sum(ld.num_samples for ld in loaders)
         self.streams = [_SourceStream(ld) for ld in loaders]
         self.weights = [s.weight for s in sources]
         self.taken = [0] * len(sources)  # samples taken from each source by all ranks since the run began
+        self.since = [0] * len(sources)  # the same since the weights were set: what the counts go by
         self.epoch = 0  # passes over the sum of the sources' samples (what per-step randomness hashes)
         self.epoch_taken = 0  # samples all ranks took in this pass
         self.images = 0
@@ -186,10 +215,11 @@ class MixtureLoader:
         while self.epoch_taken + step <= self._epoch_length():
             if self.started is None:
                 self.started = time.perf_counter()
-            counts = batch_counts(self.weights, self.taken, self.world_size, self.spec.batch_size)
+            counts = batch_counts(self.weights, self.since, self.world_size, self.spec.batch_size)
             batch = self._assemble(counts)
             for s, n in enumerate(counts):
                 self.taken[s] += n * self.world_size
+                self.since[s] += n * self.world_size
             self.epoch_taken += step
             self.images += len(batch["label"])
             yield batch
@@ -205,7 +235,9 @@ class MixtureLoader:
         labels = []
         for s, piece in zip(sources, pieces):
             label = piece["label"]
-            table = self.index.maps[s].to(label.device)
+            table = self._tables.get((s, label.device))
+            if table is None:
+                table = self._tables[s, label.device] = self.index.maps[s].to(label.device)
             labels.append(torch.where(label >= 0, table[label.clamp(min=0)] if len(table) else label, label))
         image = torch.cat([p["image"] for p in pieces])
         label = torch.cat(labels)
@@ -221,7 +253,7 @@ class MixtureLoader:
 
     def state_dict(self) -> dict:
         return {"mixture": MIXTURE_STATE_VERSION, "urls": [s.url for s in self.sources], "weights": self.weights,
-                "label_space": self.label_space, "taken": list(self.taken), "epoch": self.epoch,
+                "label_space": self.label_space, "taken": list(self.taken), "since": list(self.since), "epoch": self.epoch,
                 "epoch_taken": self.epoch_taken, "sources": [ld.state_dict() for ld in self.loaders]}
 
     def load_state_dict(self, state: dict) -> None:
@@ -232,12 +264,17 @@ class MixtureLoader:
             raise CheckpointError(f"this run's mixture is {state['urls']}; data.train names {[s.url for s in self.sources]}")
         if state["label_space"] != self.label_space:
             raise CheckpointError(f"this run's labels are data.label_space={state['label_space']}, not {self.label_space}")
-        if state["weights"] != self.weights and not self.reweight:
+        reweighted = not all(math.isclose(a, b) for a, b in zip(_normalised(state["weights"]), _normalised(self.weights)))
+        if reweighted and not self.reweight:
             raise CheckpointError(f"this run's weights are {state['weights']}, data.train asks {self.weights}: set "
                                   "data.reweight=true to go on with the new weights from the saved positions")
         for loader, saved in zip(self.loaders, state["sources"]):
             loader.load_state_dict(saved)
         self.taken, self.epoch, self.epoch_taken = list(state["taken"]), state["epoch"], state["epoch_taken"]
+        # new weights count from here: measured against what was taken under the old ones, a source
+        # that had been behind would take every sample for as long as it took to catch up
+        self.since = [0] * len(self.sources) if reweighted else list(state["since"])
+        self._window = (None, self.images, [s.wait_seconds for s in self.streams], list(self.taken))
 
     def prepare(self) -> None:
         for loader in self.loaders:
@@ -270,6 +307,10 @@ class MixtureLoader:
                             zip(self.sources, self.taken, self.streams)]}
 
 
+def _normalised(weights: Sequence[float]) -> list[float]:
+    return [w / sum(weights) for w in weights]
+
+
 def build_mixture_loader(spec: LoaderSpec, sources: list[MixtureSource], rank: int = 0, world_size: int = 1,
                          device: torch.device | str = "cpu", accumulation: int = 1,
                          ranks_per_node: int = 1) -> MixtureLoader:
@@ -278,14 +319,28 @@ def build_mixture_loader(spec: LoaderSpec, sources: list[MixtureSource], rank: i
     and of the decode workers (at least one each when the spec has any); its epochs end by "drop"
     (the mixture takes sample by sample, so no source needs padding)."""
     total = sum(s.weight for s in sources)
+    workers = _shares_of(spec.workers, [s.weight / total for s in sources])
     loaders = []
-    for source in sources:
+    for source, source_workers in zip(sources, workers):
         share = source.weight / total
-        workers = max(1, round(spec.workers * share)) if spec.workers else 0
-        part = spec.model_copy(update={"dataset": source.url, "cache_gb": spec.cache_gb * share, "workers": workers,
-                                       "epoch_end": "drop"})
+        part = spec.model_copy(update={"dataset": source.url, "cache_gb": spec.cache_gb * share,
+                                       "workers": source_workers, "epoch_end": "pad"})
         try:
             loaders.append(build_loader(part, rank, world_size, device, ranks_per_node=ranks_per_node))
         except DatasetError as e:
             raise DatasetError(f"mixture source {source.url}: {e}") from None
-    return MixtureLoader(sources, loaders, spec.label_space, accumulation, spec.reweight)
+    mixture = MixtureLoader(sources, loaders, spec.label_space, accumulation, spec.reweight)
+    if mixture._epoch_length() == 0:
+        raise DatasetError(f"the mixture's {mixture.num_samples} samples are fewer than one optimizer step of "
+                           f"{world_size} ranks x {spec.batch_size} x {accumulation}")
+    return mixture
+
+
+def _shares_of(total: int, shares: list[float]) -> list[int]:
+    """`total` split by `shares` (largest remainders, ties to the first): the decode workers, which
+    never exceed the spec's (a source with none decodes in the rank's own process)."""
+    exact = [total * share for share in shares]
+    counts = [int(x) for x in exact]
+    for i in sorted(range(len(exact)), key=lambda i: (counts[i] - exact[i], i))[:total - sum(counts)]:
+        counts[i] += 1
+    return counts

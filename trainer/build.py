@@ -68,6 +68,8 @@ def build_trainer(cfg: Config, env, device, stop: StopRequest) -> tuple[Trainer,
     train_loader = build_data_loader(cfg, cfg.data.train, True, env, device)
     index = train_loader.index
     val_loader = build_data_loader(cfg, cfg.data.val, False, env, device) if cfg.data.val else None
+    if val_loader is not None and hasattr(index, "check_eval"):  # a mixture: its label space against data.val's
+        index.check_eval(getattr(val_loader.index, "classes", None), cfg.data.val)
     probes = build_probes(cfg.eval, lambda source: build_data_loader(cfg, source, False, env, device))
     num_classes = cfg.model.num_classes or (index.num_classes if index else None)
     objective = get_objective(cfg.train.objective)

@@ -6,6 +6,8 @@ the source; a mixture of an s3:// and a local source trains 2 ranks and evaluate
 from __future__ import annotations
 
 import json
+import shutil
+import tarfile
 
 import numpy as np
 import pytest
@@ -109,60 +111,91 @@ def test_three_sources_hold_their_weights_in_every_window_in_their_own_order(sou
 
 @pytest.mark.parametrize("after", [1, 2, 3], ids=lambda w: f"resumed-at-{w}-ranks")
 def test_a_resume_goes_on_with_every_source_exactly(sources, after):
-    """2 ranks take 40 batches, the state is saved, then the run goes on at 1, 2 or 3 ranks: each
-    source's samples taken after the save are the uninterrupted run's, in its order."""
-    def per_source(runs) -> list[list[tuple[int, int]]]:
+    """2 ranks take 37 batches (no source at a multiple of a batch), the state is saved, then the
+    run goes on at 1, 2 or 3 ranks past every source's epoch end: each source's samples after the
+    save are the uninterrupted run's, in its order (positions below its size: the repeats that even
+    out an epoch's last row of ranks depend on the world size)."""
+    sizes = (3000, 1500, 500)
+
+    def per_source(runs) -> list[list[tuple[int, int, str]]]:
         # every rank's samples of each source, in the source's global order (epoch, position)
         out = [[] for _ in WEIGHTS]
         for seen in runs:
-            epoch = [0, 0, 0]
-            last = [-1, -1, -1]
+            epoch, last = [0, 0, 0], [-1, -1, -1]
             for s, position, _, key in seen:
                 epoch[s] += position < last[s]
                 last[s] = position
-                out[s].append((epoch[s], position, key))
+                if position < sizes[s]:
+                    out[s].append((epoch[s], position, key))
         return [sorted(o) for o in out]
 
     straight = _loaders(sources, 2)
     for loader in straight:
-        _take(loader, 40)
+        _take(loader, 37)
     state = straight[0].state_dict()
     assert state == straight[1].state_dict()
-    uninterrupted = per_source([_take(loader, 60) for loader in straight])
+    assert any(c % (2 * BATCH) for c in (source["consumed"] for source in state["sources"]))
+    uninterrupted = per_source([_take(loader, 220) for loader in straight])
     resumed = _loaders(sources, after)
     for loader in resumed:
         loader.load_state_dict(json.loads(json.dumps(state)))
-    again = per_source([_take(loader, 120 // after) for loader in resumed])
+    again = per_source([_take(loader, 440 // after) for loader in resumed])
     for s in range(len(WEIGHTS)):
+        assert {epoch for epoch, _, _ in uninterrupted[s]} == {0, 1}  # past the source's epoch end
         n = min(len(uninterrupted[s]), len(again[s]))
-        assert n > 20 * (s == 2) + 100 * (s < 2)
+        assert n > 300
         assert [k for _, _, k in again[s][:n]] == [k for _, _, k in uninterrupted[s][:n]]
 
 
-def test_other_weights_are_refused_on_resume_unless_reweighted(sources):
-    loader = _loaders(sources, 1)[0]
-    _take(loader, 5)
+def test_other_weights_are_refused_on_resume_unless_reweighted_and_then_held_from_there(sources):
+    loader = _loaders(sources, 1, weights=(0.9, 0.05, 0.05))[0]
+    _take(loader, 60)
     state = loader.state_dict()
     with pytest.raises(CheckpointError, match=r"set data.reweight=true"):
-        _loaders(sources, 1, weights=(0.5, 0.4, 0.1))[0].load_state_dict(state)
-    reweighted = _loaders(sources, 1, weights=(0.5, 0.4, 0.1), reweight=True)[0]
+        _loaders(sources, 1, weights=(0.2, 0.4, 0.4))[0].load_state_dict(state)
+    _loaders(sources, 1, weights=(1.8, 0.1, 0.1))[0].load_state_dict(state)  # the same mixture, other units
+    reweighted = _loaders(sources, 1, weights=(0.2, 0.4, 0.4), reweight=True)[0]
     reweighted.load_state_dict(state)
     assert [ld.consumed for ld in reweighted.loaders] == [ld.consumed for ld in loader.loaders]
+    # the new weights hold from the first batch after the resume, not once the old ones are paid back
+    picked = np.asarray([s for s, _, _, _ in _take(reweighted, 40)])
+    assert _worst_window(picked, (0.2, 0.4, 0.4)) < BOUND
 
 
-def test_by_name_unifies_the_classes_the_sources_share(sources):
-    """Sources b and c both name their classes class_00 and class_01: by name they are 2 classes."""
-    loader = _loaders([sources[1], sources[2]], 1, weights=(1, 1), label_space="by_name")[0]
-    assert loader.index.classes == ["class_00", "class_01"] and loader.index.num_classes == 2
-    assert {label for _, _, label, _ in _take(loader, 4)} == {0, 1}
+def test_by_name_maps_each_source_by_its_names_and_refuses_a_held_out_set_in_another_order(sources, tmp_path):
+    """Source x holds class_01 and class_02 (its ids 0, 1), source b class_00 and class_01: by name,
+    in the order first seen, class_01 -> 0, class_02 -> 1, class_00 -> 2."""
+    write_class_folders(str(tmp_path / "x-src"), num_classes=3, per_class=40, size=(16, 16), seed=5)
+    shutil.rmtree(tmp_path / "x-src" / "class_00")
+    run(ShardJob(str(tmp_path / "x-src"), str(tmp_path / "x"), prefix="x", shard_samples=40, shard_bytes=None))
+    loader = _loaders([str(tmp_path / "x"), sources[1]], 1, weights=(1, 1), label_space="by_name")[0]
+    assert loader.index.classes == ["class_01", "class_02", "class_00"] and loader.index.num_classes == 3
+    datasets = [str(tmp_path / "x"), sources[1]]
+    for s, _, label, key in _take(loader, 20):
+        assert loader.index.classes[label] == json.loads(_sample_json(datasets[s], key))["class"]
+    loader.index.check_eval(["class_01", "class_02", "class_00"], "val")
+    with pytest.raises(DatasetError, match=r"data.val val: its class 0 is 'class_00', the mixture's is 'class_01'"):
+        loader.index.check_eval(["class_00", "class_01", "class_02"], "val")
+    offset = _loaders(sources, 1)[0]
+    offset.index.check_eval(["class_00", "class_01", "class_02"], "val")  # the first source's classes
+    with pytest.raises(DatasetError, match="data.label_space=offset"):
+        offset.index.check_eval(["class_01"], "val")
 
 
-def test_a_source_smaller_than_a_batch_of_every_rank_is_named(sources):
-    spec = LoaderSpec(sources[0], batch_size=300, image_size=16, backend="torch", workers=0)
-    loader = build_mixture_loader(spec, _mixture(sources), 0, 2)
-    with pytest.raises(DatasetError, match=r"mixture source \S+/c: 500 samples, fewer than one batch of 300 for "
-                                           r"each of 2 ranks"):
-        next(iter(loader))
+def _sample_json(dataset: str, key: str) -> bytes:
+    """The .json member of sample `key` ("S/SHARD.tar:KEY") of `dataset`."""
+    shard, sample = key.split("/", 1)[1].split(":")
+    with tarfile.open(f"{dataset}/{shard}") as tar:
+        return tar.extractfile(f"{sample}.json").read()
+
+
+def test_the_decode_workers_are_shared_out_and_a_mixture_below_one_step_is_refused(sources):
+    spec = LoaderSpec(sources[0], batch_size=BATCH, image_size=16, backend="torch", workers=2)
+    assert [ld.spec.workers for ld in build_mixture_loader(spec, _mixture(sources)).loaders] == [1, 1, 0]
+    big = LoaderSpec(sources[0], batch_size=2000, image_size=16, backend="torch", workers=0)
+    with pytest.raises(DatasetError, match=r"the mixture's 5000 samples are fewer than one optimizer step of 4 ranks "
+                                           r"x 2000 x 1"):
+        build_mixture_loader(big, _mixture(sources), 0, 4)
 
 
 @pytest.mark.parametrize("mixture, words", [
