@@ -55,9 +55,14 @@ def batch_counts(weights: Sequence[float], taken: Sequence[int], world_size: int
     after = sum(taken) + world_size * batch
     want = [max(0.0, (w / norm * after - t) / world_size) for w, t in zip(weights, taken)]
     scale = batch / sum(want) if sum(want) > 0 else 0.0
-    want = [x * scale for x in want] if scale else [batch * w / norm for w in weights]
-    counts = [int(x) for x in want]
-    for i in sorted(range(len(want)), key=lambda i: (counts[i] - want[i], i))[:batch - sum(counts)]:
+    return _largest_remainders([x * scale for x in want] if scale else [batch * w / norm for w in weights], batch)
+
+
+def _largest_remainders(exact: Sequence[float], total: int) -> list[int]:
+    """`exact` (summing to `total`) rounded to integers that sum to `total`: floors, then one more
+    for the largest remainders, ties to the first."""
+    counts = [int(x) for x in exact]
+    for i in sorted(range(len(exact)), key=lambda i: (counts[i] - exact[i], i))[:total - sum(counts)]:
         counts[i] += 1
     return counts
 
@@ -339,8 +344,4 @@ def build_mixture_loader(spec: LoaderSpec, sources: list[MixtureSource], rank: i
 def _shares_of(total: int, shares: list[float]) -> list[int]:
     """`total` split by `shares` (largest remainders, ties to the first): the decode workers, which
     never exceed the spec's (a source with none decodes in the rank's own process)."""
-    exact = [total * share for share in shares]
-    counts = [int(x) for x in exact]
-    for i in sorted(range(len(exact)), key=lambda i: (counts[i] - exact[i], i))[:total - sum(counts)]:
-        counts[i] += 1
-    return counts
+    return _largest_remainders([total * share for share in shares], total)
