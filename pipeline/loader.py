@@ -194,11 +194,13 @@ class Loader:
 
 def build_loader(spec: LoaderSpec, rank: int = 0, world_size: int = 1,
                  device: torch.device | str = "cpu", synthetic_samples: int = 1_281_167,
-                 synthetic_classes: int = 1000, accumulation: int = 1, ranks_per_node: int = 1) -> Loader:
+                 synthetic_classes: int = 1000, accumulation: int = 1, ranks_per_node: int = 1,
+                 index: DatasetIndex | None = None) -> Loader:
     """A loader for one rank. `accumulation`: micro-batches per optimizer step, so that epochs end
     on whole steps. `ranks_per_node`: ranks rank // ranks_per_node share a node and its shard cache.
     A backend that reads no dataset (synthetic) ignores `spec.dataset` and makes `synthetic_samples`
-    samples of `synthetic_classes` classes."""
+    samples of `synthetic_classes` classes. `index`: spec.dataset's, when the caller has read it
+    (dataset_index)."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
     device = torch.device(device)
@@ -208,6 +210,13 @@ def build_loader(spec: LoaderSpec, rank: int = 0, world_size: int = 1,
     if not registered.reads_dataset:
         backend = registered.factory(spec, None, device, synthetic_classes)
         return Loader(spec, None, backend, rank, world_size, synthetic_samples, accumulation, ranks_per_node)
+    index = index or dataset_index(spec)
+    backend = registered.factory(spec, index, device, synthetic_classes)
+    return Loader(spec, index, backend, rank, world_size, len(index), accumulation, ranks_per_node)
+
+
+def dataset_index(spec: LoaderSpec) -> DatasetIndex:
+    """The index of the samples the spec reads: its dataset's, or its subset's."""
     index = load_index(spec.dataset)
     if spec.subset is not None:
         try:
@@ -215,5 +224,4 @@ def build_loader(spec: LoaderSpec, rank: int = 0, world_size: int = 1,
         except ValueError as e:
             raise DatasetError(f"{spec.dataset}: {e}") from None
         log.info("subset %r of %s: %d samples", spec.subset, spec.dataset, len(index))
-    backend = registered.factory(spec, index, device, synthetic_classes)
-    return Loader(spec, index, backend, rank, world_size, len(index), accumulation, ranks_per_node)
+    return index

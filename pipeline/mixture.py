@@ -23,12 +23,13 @@ weights of a run is refused unless `reweight` (then it goes on from the saved po
 Labels: `offset` (each source's class ids after the previous sources', the head covers the sum)
 or `by_name` (one class per distinct name, in the order first seen over the sources). Keys are
 "SOURCE/SHARD.tar:KEY" and positions (source << 40) + position, so no two sources' samples share
-either. Per rank: one loader per source (its decode workers: the spec's, shared out by weight,
-never more in all), at most one held batch per source, O(sources) counts.
+either. Per rank: one loader per source (its decode workers: the spec's shared out, at least one
+each when the spec has any), at most one held batch per source, O(sources) counts.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from typing import Iterator, Literal, Sequence
@@ -36,12 +37,15 @@ from typing import Iterator, Literal, Sequence
 import numpy as np
 import torch
 
-from vitforge.core import CheckpointError
+from vitforge.core import CheckpointError, is_remote
 
 from .backend import Batch, make_batch
+from .cache_shares import CacheDemand, node_bytes, node_cache_shares
 from .index import DatasetError, DatasetIndex
-from .loader import Loader, build_loader
+from .loader import Loader, build_loader, dataset_index
 from .spec import LoaderSpec, MixtureSource
+
+log = logging.getLogger("vitforge.pipeline")
 
 SOURCE_SHIFT = 40  # a sample's position in the mixture: (source << SOURCE_SHIFT) + its own position
 MIXTURE_STATE_VERSION = 1
@@ -195,6 +199,7 @@ class MixtureLoader:
         self.label_space = label_space
         self.num_samples = sum(ld.num_samples for ld in loaders)
         self.streams = [_SourceStream(ld) for ld in loaders]
+        self._normalise = _normalise_once(loaders)
         self.weights = [s.weight for s in sources]
         self.taken = [0] * len(sources)  # samples taken from each source by all ranks since the run began
         self.since = [0] * len(sources)  # the same since the weights were set: what the counts go by
@@ -231,30 +236,53 @@ class MixtureLoader:
         self.epoch, self.epoch_taken = self.epoch + 1, 0
 
     def _assemble(self, counts: list[int]) -> Batch:
+        """The sources' pieces written once each into the batch at their interleaved rows: one copy
+        of the images (a float batch of 224 px images is 38 MB a rank on a CPU device)."""
+        order = interleave(counts)
+        rows = np.empty_like(order)
+        rows[order] = np.arange(len(order))  # the row of the batch each source sample goes to
         pieces, sources = [], []
         for s, n in enumerate(counts):
             for piece in self.streams[s].take(n):
                 pieces.append(piece)
                 sources.append(s)
-        order = torch.from_numpy(interleave(counts))
-        labels = []
-        for s, piece in zip(sources, pieces):
-            label = piece["label"]
-            table = self._tables.get((s, label.device))
-            if table is None:
-                table = self._tables[s, label.device] = self.index.maps[s].to(label.device)
-            labels.append(torch.where(label >= 0, table[label.clamp(min=0)] if len(table) else label, label))
-        image = torch.cat([p["image"] for p in pieces])
-        label = torch.cat(labels)
-        position = torch.cat([p["position"] + (s << SOURCE_SHIFT) for s, p in zip(sources, pieces)]).numpy()
-        keys = [f"{s}/{k}" for s, p in zip(sources, pieces) for k in p["key"]]
+        first = pieces[0]["image"]
+        shape = (len(order), *first.shape[1:])
+        # numpy asks for transparent huge pages for a large array (torch.empty does not): a 38 MB
+        # batch then faults in 19 pages instead of 9,400, a third of the time normalising takes.
+        image = (torch.empty(shape, dtype=first.dtype, device=first.device) if self._normalise is None
+                 else torch.from_numpy(np.empty(shape, np.float32)))
+        label = torch.empty(len(order), dtype=pieces[0]["label"].dtype, device=pieces[0]["label"].device)
+        position = np.empty(len(order), np.int64)
+        real = np.empty(len(order), bool)
+        keys: list[str] = [""] * len(order)
+        bad: list[str] = []
         reads: dict[str, int] = {}
-        for p in pieces:
-            for name, value in p["reads"].items():
+        at = 0
+        for s, piece in zip(sources, pieces):
+            n = len(piece["label"])
+            where = rows[at:at + n]
+            if self._normalise is None:
+                image.index_copy_(0, torch.from_numpy(where).to(image.device), piece["image"])
+            else:
+                _normalise_into(self._normalise, piece["image"].numpy(), image.numpy(), where)
+            label[torch.from_numpy(where).to(label.device)] = self._labels(s, piece["label"])
+            position[where] = np.asarray(piece["position"]) + (s << SOURCE_SHIFT)
+            real[where] = np.asarray(piece["real"])
+            for row, key in zip(where.tolist(), piece["key"]):
+                keys[row] = f"{s}/{key}"
+            bad += [f"{s}/{b}" for b in piece["bad"]]
+            for name, value in piece["reads"].items():
                 reads[name] = reads.get(name, 0) + value
-        return make_batch(image[order.to(image.device)], label[order.to(label.device)], position[order.numpy()],
-                          torch.cat([p["real"] for p in pieces])[order].numpy(), [keys[i] for i in order.tolist()],
-                          [f"{s}/{b}" for s, p in zip(sources, pieces) for b in p["bad"]], reads)
+            at += n
+        return make_batch(image, label, position, real, keys, bad, reads)
+
+    def _labels(self, source: int, label: torch.Tensor) -> torch.Tensor:
+        """A source's labels in the mixture's label space (an ignored label stays ignored)."""
+        table = self._tables.get((source, label.device))
+        if table is None:
+            table = self._tables[source, label.device] = self.index.maps[source].to(label.device)
+        return torch.where(label >= 0, table[label.clamp(min=0)], label) if len(table) else label
 
     def state_dict(self) -> dict:
         return {"mixture": MIXTURE_STATE_VERSION, "urls": [s.url for s in self.sources], "weights": self.weights,
@@ -312,6 +340,29 @@ class MixtureLoader:
                             zip(self.sources, self.taken, self.streams)]}
 
 
+def _normalise_once(loaders: list[Loader]):
+    """On a CPU device, the torch backend's sources hand over uint8 pixels and the mixture
+    normalises each into its row of the batch: one float batch made per batch, as one source
+    makes, instead of each source's float batch copied once more (38 MB at 224 px; page faults
+    and the copy were a quarter of the loader's CPU: benchmarks/loader_bench.py's mixture row).
+    Elsewhere (a GPU, DALI, bfloat16) the sources normalise and the batch is a device copy."""
+    backends = [ld.backend for ld in loaders]
+    if not all(getattr(b, "normalises", False) and b.device.type == "cpu" and b.spec.dtype == "float32"
+               for b in backends):
+        return None
+    for backend in backends:
+        backend.normalises = False
+    return backends[0].normalise
+
+
+def _normalise_into(normalise, pixels: np.ndarray, out: np.ndarray, rows: np.ndarray) -> None:
+    """uint8 `pixels` normalised into `out`'s `rows`, a run of consecutive rows at a time."""
+    breaks = np.flatnonzero(np.diff(rows) != 1) + 1
+    for start, stop in zip([0, *breaks.tolist()], [*breaks.tolist(), len(rows)]):
+        row = int(rows[start])
+        normalise.into(pixels[start:stop], out[row:row + stop - start])
+
+
 def _normalised(weights: Sequence[float]) -> list[float]:
     return [w / sum(weights) for w in weights]
 
@@ -319,19 +370,28 @@ def _normalised(weights: Sequence[float]) -> list[float]:
 def build_mixture_loader(spec: LoaderSpec, sources: list[MixtureSource], rank: int = 0, world_size: int = 1,
                          device: torch.device | str = "cpu", accumulation: int = 1,
                          ranks_per_node: int = 1) -> MixtureLoader:
-    """A loader of `sources` at their weights for one rank: `spec` with each source's dataset. Each
-    source's loader gets its weight's share of the node cache (data.cache_gb bounds them together)
-    and of the decode workers (at least one each when the spec has any); its epochs end by "drop"
-    (the mixture takes sample by sample, so no source needs padding)."""
+    """A loader of `sources` at their weights for one rank: `spec` with each source's dataset. The
+    node cache's one bound (data.cache_gb) is shared out by `node_cache_shares` (most to the sources
+    whose bytes are read most often); the decode workers by `_workers_of`; each source's epochs end
+    by "pad" (see `_SourceStream`)."""
     total = sum(s.weight for s in sources)
-    workers = _shares_of(spec.workers, [s.weight / total for s in sources])
-    loaders = []
+    workers = _workers_of(spec.workers, [s.weight / total for s in sources])
+    parts, indexes = [], []
     for source, source_workers in zip(sources, workers):
-        share = source.weight / total
-        part = spec.model_copy(update={"dataset": source.url, "cache_gb": spec.cache_gb * share,
-                                       "workers": source_workers, "epoch_end": "pad"})
+        parts.append(spec.model_copy(update={"dataset": source.url, "workers": source_workers, "epoch_end": "pad"}))
         try:
-            loaders.append(build_loader(part, rank, world_size, device, ranks_per_node=ranks_per_node))
+            indexes.append(dataset_index(parts[-1]))
+        except DatasetError as e:
+            raise DatasetError(f"mixture source {source.url}: {e}") from None
+    demands = [_cache_demand(s, index, spec, min(ranks_per_node, world_size), world_size)
+               for s, index in zip(sources, indexes)]
+    caches = node_cache_shares(int(spec.cache_gb * 1e9), demands)
+    loaders = []
+    for source, part, index, cache in zip(sources, parts, indexes, caches):
+        log.info("mixture source %s: node cache %.2f GB of data.cache_gb %.2f", source.url, cache / 1e9, spec.cache_gb)
+        try:
+            loaders.append(build_loader(part.model_copy(update={"cache_gb": cache / 1e9}), rank, world_size, device,
+                                        ranks_per_node=ranks_per_node, index=index))
         except DatasetError as e:
             raise DatasetError(f"mixture source {source.url}: {e}") from None
     mixture = MixtureLoader(sources, loaders, spec.label_space, accumulation, spec.reweight)
@@ -341,7 +401,24 @@ def build_mixture_loader(spec: LoaderSpec, sources: list[MixtureSource], rank: i
     return mixture
 
 
-def _shares_of(total: int, shares: list[float]) -> list[int]:
-    """`total` split by `shares` (largest remainders, ties to the first): the decode workers, which
-    never exceed the spec's (a source with none decodes in the rank's own process)."""
-    return _largest_remainders([total * share for share in shares], total)
+def _cache_demand(source: MixtureSource, index: DatasetIndex, spec: LoaderSpec, ranks_per_node: int,
+                  world_size: int) -> CacheDemand:
+    if not any(is_remote(url) for url in index.shard_urls):
+        return CacheDemand(source.weight, len(index), 0, 0)  # read in place, never through the cache
+    total = largest = math.inf  # sizes unknown (tars made elsewhere): the shares go by weight
+    if index.shard_bytes is not None:
+        total, largest = sum(index.shard_bytes), max(index.shard_bytes)
+    return CacheDemand(source.weight, len(index), node_bytes(total, largest, ranks_per_node, world_size),
+                       ranks_per_node * (1 + spec.shards_ahead) * largest)
+
+
+def _workers_of(total: int, shares: list[float]) -> list[int]:
+    """The spec's decode workers shared out: none when it has none (every source decodes in the
+    rank's process), else one per source and the rest by `shares` (largest remainders, ties to the
+    first). So a mixture of more sources than data.workers runs one worker per source: a source
+    decoding in the training process would take the step's thread, and there, with torch's intra-op
+    threads, about twice the CPU per image a worker takes (measured by loader_bench's mixture row)."""
+    if total == 0:
+        return [0] * len(shares)
+    spare = max(0, total - len(shares))
+    return [1 + n for n in _largest_remainders([spare * share for share in shares], spare)]

@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from vitforge.core import UsageError
+from vitforge.core import UsageError, check_store_url, masked
 from vitforge.core.settings import Switch, problems
 
 from .backend import check_backend_name
@@ -124,11 +124,18 @@ class MixtureSource(BaseModel):
     weight: float
     """Its share of every batch, relative to the other sources' weights (they need not sum to 1)."""
 
+    @field_validator("url")
+    @classmethod
+    def _no_credentials(cls, value: str) -> str:
+        check_store_url(value)
+        return value
+
     @field_validator("weight")
     @classmethod
     def _positive(cls, value: float, info) -> float:
         if not (value > 0 and math.isfinite(value)):
-            raise ValueError(f"source {info.data.get('url', '?')} has weight {value}: a weight must be a number > 0")
+            raise ValueError(f"source {masked(info.data.get('url', '?'))} has weight {value}: a weight must be a "
+                             "number > 0")
         return value
 
 

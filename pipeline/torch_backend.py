@@ -96,14 +96,18 @@ class Normalise:
 
     def __call__(self, pixels: torch.Tensor) -> torch.Tensor:
         if pixels.device.type == "cpu":
-            # numpy's ufuncs cast uint8 in cache-sized pieces on one thread: a third of the CPU time
-            # of torch's cast and multiply-add (which also wake every intra-op thread for it).
             images = np.empty(pixels.shape, np.float32)
-            np.multiply(pixels.numpy(), self.scale.numpy(), out=images)
-            np.add(images, self.shift.numpy(), out=images)
+            self.into(pixels.numpy(), images)
             return torch.from_numpy(images).to(self.dtype)
         images = pixels.to(torch.float32)
         return torch.addcmul(self.shift, images, self.scale, out=images).to(self.dtype)
+
+    def into(self, pixels: np.ndarray, out: np.ndarray) -> None:
+        """CPU uint8 pixels normalised into float32 `out` of their shape. numpy's ufuncs cast uint8
+        in cache-sized pieces on one thread: a third of the CPU time of torch's cast and
+        multiply-add (which also wake every intra-op thread for it)."""
+        np.multiply(pixels, self.scale.numpy(), out=out)
+        np.add(out, self.shift.numpy(), out=out)
 
 
 class _Batches(torch.utils.data.IterableDataset):
@@ -132,6 +136,9 @@ class TorchBackend:
     def __init__(self, spec: LoaderSpec, index: DatasetIndex, device: torch.device):
         self.spec, self.index, self.device = spec, index, device
         self.normalise = Normalise(spec, device)
+        # False: a CPU device's batches keep their uint8 pixels, for a caller that normalises them
+        # itself once it has put them where they go (a mixture's batch: no float copy in between).
+        self.normalises = True
 
     def batches(self, epoch: int, rank_slice: RankSlice) -> Iterator[Batch]:
         # uint8 travels from the workers (4x less to copy through shared memory, and to pin) and the
@@ -152,8 +159,8 @@ class TorchBackend:
             # Receiving a batch from a worker (unpickling, mapping its shared memory) and normalising
             # it take the consumer's process some ms per batch; a thread does both while the step
             # runs, so the step's own thread does no loader work.
-            normalised = map(self._normalised, loader)
-            yield from read_ahead(normalised) if workers else normalised
+            received = map(self._normalised, loader) if self.normalises else iter(loader)
+            yield from read_ahead(received) if workers else received
 
     def _normalised(self, batch: Batch) -> Batch:
         return {**batch, "image": self.normalise(batch["image"])}

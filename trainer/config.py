@@ -63,9 +63,11 @@ class DataConfig(LoaderSettings):
     """Held-out shards for evaluation (the same forms); null: no evaluation."""
 
 
-    @field_validator("train")
+    @field_validator("train", "val")
     @classmethod
-    def _mixture(cls, value):
+    def _sources(cls, value):
+        if isinstance(value, str):
+            check_store_url(value)  # here, before a store's own errors (a missing account) hide it
         if isinstance(value, list):
             urls = [source.url for source in value]
             if not urls:

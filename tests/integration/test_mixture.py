@@ -1,19 +1,23 @@
 """Training on a mixture (pipeline/mixture.py): 3 sources at 0.6/0.3/0.1 hold their weights in
 every window of every rank on both backends, each source read in its own loader's order; a resume
 (same or another world size) goes on with every source exactly; bad mixtures are one line naming
-the source; a mixture of an s3:// and a local source trains 2 ranks and evaluates."""
+the source; a mixture of an s3:// and a local source trains 2 ranks and evaluates; a mixture run
+killed -9 or requeued by SIGUSR1 resumes to the uninterrupted run's losses."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import signal
 import tarfile
+import time
 
 import numpy as np
 import pytest
 
-from common.cli import EXTENSIONS, train, vitforge
-from vitforge.core import CheckpointError
+from common.checks import losses
+from common.cli import EXTENSIONS, start_ranks, train, vitforge
+from vitforge.core import CheckpointError, errors
 from vitforge.pipeline import DatasetError, LoaderSpec, MixtureSource, batch_counts, build_mixture_loader
 from vitforge.pipeline.mixture import SOURCE_SHIFT, interleave
 from vitforge.shards import ShardJob, run
@@ -190,8 +194,12 @@ def _sample_json(dataset: str, key: str) -> bytes:
 
 
 def test_the_decode_workers_are_shared_out_and_a_mixture_below_one_step_is_refused(sources):
-    spec = LoaderSpec(sources[0], batch_size=BATCH, image_size=16, backend="torch", workers=2)
-    assert [ld.spec.workers for ld in build_mixture_loader(spec, _mixture(sources)).loaders] == [1, 1, 0]
+    def workers(n: int) -> list[int]:
+        spec = LoaderSpec(sources[0], batch_size=BATCH, image_size=16, backend="torch", workers=n)
+        return [ld.spec.workers for ld in build_mixture_loader(spec, _mixture(sources)).loaders]
+
+    # one each (a source decoding in the training process takes the step's thread), the rest by weight
+    assert workers(0) == [0, 0, 0] and workers(2) == [1, 1, 1] and workers(8) == [4, 3, 1]
     big = LoaderSpec(sources[0], batch_size=2000, image_size=16, backend="torch", workers=0)
     with pytest.raises(DatasetError, match=r"the mixture's 5000 samples are fewer than one optimizer step of 4 ranks "
                                            r"x 2000 x 1"):
@@ -223,6 +231,14 @@ def test_a_mixture_of_an_s3_and_a_local_source_trains_2_ranks_and_evaluates(data
     for path in sorted((data / "train").iterdir()):
         if path.is_file():
             client.put_object(Bucket=bucket, Key=f"train/{path.name}", Body=path.read_bytes())
+    # One node cache bound: the S3 source gets what a node reads of it (all of it fits in 2 GB), the
+    # local source, read in place, none.
+    spec = LoaderSpec(f"s3://{bucket}/train", batch_size=8, image_size=16, backend="torch", cache_gb=2.0,
+                      cache_dir=str(tmp_path / "cache"))
+    shares = build_mixture_loader(spec, [MixtureSource(url=f"s3://{bucket}/train", weight=1),
+                                         MixtureSource(url=str(data / "train"), weight=3)]).loaders
+    stored = sum(s["bytes"] for s in json.loads((data / "train" / "dataset.json").read_text())["shards"])
+    assert [ld.spec.cache_gb * 1e9 for ld in shares] == [pytest.approx(stored), 0]
     mixture = f"[{{url: s3://{bucket}/train, weight: 3}}, {{url: {data / 'train'}, weight: 1}}]"
     logs = tmp_path / "logs"
     result = train(data, "mixed", f"data.train={mixture}", "data.label_space=by_name", "train.steps=8",
@@ -237,3 +253,52 @@ def test_a_mixture_of_an_s3_and_a_local_source_trains_2_ranks_and_evaluates(data
     assert 0 <= last["source_0_data_wait_fraction"] <= 1
     # by name, both sources' classes are the held-out set's ten: the evaluation is well above chance (0.1)
     assert [r for r in rows if "eval_top1" in r][-1]["eval_top1"] >= 0.3, rows[-1]
+
+
+@pytest.mark.slow(seconds=30)
+def test_a_mixture_run_killed_or_requeued_resumes_to_the_uninterrupted_run(data, tmp_path):
+    """kill -9 of every rank mid-run, and SIGUSR1 to one rank (the requeue), each resumed: the
+    losses of every step, and each source's samples seen, equal the uninterrupted run's."""
+    store = tmp_path / "runs"
+    mixture = f"[{{url: {data / 'train'}, weight: 0.7}}, {{url: {data / 'val'}, weight: 0.3}}]"
+    settings = (f"data.train={mixture}", "train.steps=12", "train.log_every=1", "train.checkpoint_every=4",
+                "data.val=null", "checkpoint.keep_last=10")
+
+    def seen(run: str) -> list[int]:
+        rows = [json.loads(line) for line in (store / run / "metrics.jsonl").read_text().splitlines()]
+        last = [r for r in rows if "source_0_samples_seen" in r][-1]
+        return [last["source_0_samples_seen"], last["source_1_samples_seen"]]
+
+    def logged(run: str, step: int) -> bool:
+        path = store / run / "metrics.jsonl"
+        return path.exists() and any(json.loads(line).get("step", 0) >= step for line in path.read_text().splitlines())
+
+    train(data, "straight", *settings, store=str(store))
+    killed = start_ranks(data, "killed", *settings, store=str(store))
+    deadline = time.monotonic() + 240
+    # mid-run, once a checkpoint is complete (saves finish behind the steps)
+    while (not (logged("killed", 6) and (store / "killed" / "latest").exists()) and time.monotonic() < deadline
+           and all(r.poll() is None for r in killed)):
+        time.sleep(0.05)
+    assert all(r.poll() is None for r in killed), "the run ended before it could be killed"
+    for rank in killed:
+        rank.kill()
+        rank.communicate()
+    latest = int((store / "killed" / "latest").read_text().removeprefix("step_"))
+    assert latest in (4, 8)
+    assert f"at step {latest}" in train(data, "killed", *settings, store=str(store)).stderr
+
+    requeued = start_ranks(data, "requeued", *settings, store=str(store))
+    while not logged("requeued", 2) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    requeued[1].send_signal(signal.SIGUSR1)
+    outputs = [r.communicate(timeout=240) for r in requeued]
+    assert [r.returncode for r in requeued] == [errors.REQUEUE, errors.REQUEUE], outputs[0][1][-3000:]
+    step = int(outputs[0][1].split("stopped at step ")[1].split()[0])
+    assert 2 <= step < 12
+    assert f"at step {step}" in train(data, "requeued", *settings, store=str(store)).stderr
+
+    for name in ("killed", "requeued"):
+        assert losses(store / name) == losses(store / "straight"), name
+        assert seen(name) == seen("straight"), name
+    assert sum(seen("straight")) == 12 * 32 and abs(seen("straight")[0] - 0.7 * 12 * 32) <= 2 * BOUND

@@ -38,7 +38,11 @@ def _one_line_refusal(result, code: int = errors.USAGE) -> str:
 def test_a_store_url_carrying_credentials_is_refused_without_echoing_them(url, small_corpus, tmp_path):
     commands = [["shard", "info", url], ["shard", "verify", url], ["shard", str(small_corpus), url],
                 ["ckpt", "list", url], ["ckpt", "verify", f"{url}"],
-                ["train", "tiny_cpu", "--set", f"checkpoint.dir={url}", "--set", "data.train=synthetic"]]
+                ["train", "tiny_cpu", "--set", f"checkpoint.dir={url}", "--set", "data.train=synthetic"],
+                ["train", "tiny_cpu", "--set", f"data.train={url}"],
+                ["train", "tiny_cpu", "--set",
+                 f"data.train=[{{url: '{small_corpus}', weight: 1}}, {{url: '{url}', weight: 1}}]"],
+                ["train", "tiny_cpu", "--set", f"data.train=[{{url: '{url}', weight: 0}}]"]]
     for command in commands:
         line = _one_line_refusal(vitforge(*command, check=False, timeout=60))
         assert "takes no" in line and "credentials never come from a URL" in line, (command, line)

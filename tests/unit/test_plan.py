@@ -90,10 +90,20 @@ def test_a_mixture_plan_gives_each_source_its_share_of_the_samples_egress_and_ca
     big, small = figures["mixture"]
     assert math.isclose(big["samples"], 0.75 * samples) and math.isclose(small["samples"], 0.25 * samples)
     assert math.isclose(big["passes"], 0.75 * 15e6 / 4e6) and math.isclose(small["passes"], 3.75)
-    assert math.isclose(big["egress_bytes"], 0.75 * 15e6 * 100_000)  # each pass one copy of its shards
     assert big["shards"] == 400 and small["shards"] == 100
-    assert math.isclose(small["egress_bytes_per_node"], 3.75 * 51 * 1e9)  # ceil(100 / 2) + 1 shards per node a pass
-    assert math.isclose(big["cache_bytes_per_node"] + small["cache_bytes_per_node"], 60e9)
+    # Each node's 8 ranks hold 1 shard open and 2 ahead of each source (24 GB); the other 12 GB go
+    # to the small source, whose bytes are read more often (3.75 passes against 2.81).
+    assert big["cache_bytes_per_node"] == 24e9 and small["cache_bytes_per_node"] == 36e9
+    assert math.isclose(big["egress_bytes"], 0.75 * 15e6 * 100_000)  # its cache keeps nothing between passes
+    # ceil(100 / 2) + 1 shards per node a pass: the first fetched whole, the next 2.75 all but 12 of 51 GB
+    assert math.isclose(small["egress_bytes_per_node"], (1 + 2.75 * (1 - 12 / 51)) * 51e9)
+    roomy = json.loads(vitforge("plan", "--nodes", "2", "--epochs", "3", "--mean-image-bytes", "100000",
+                                "--shard-bytes", "1000000000", "--cache-limit-bytes", "100e9",
+                                "--mixture", "4000000:3", "1000000:1", "--json").stdout)["mixture"]
+    # room for all 51 GB the node reads of the small source: fetched once, then read from the cache
+    assert roomy[1]["cache_bytes_per_node"] == 51e9 and roomy[1]["cache_kept_fraction"] == 1
+    assert math.isclose(roomy[1]["egress_bytes_per_node"], 51e9)
+    assert roomy[0]["cache_bytes_per_node"] == 49e9
     text = vitforge("plan", "--mixture", "4000000:3", "1000000:1").stdout
     assert "source 0: 4,000,000 images at weight 3 (75.0% of every batch)" in text
     bad = vitforge("plan", "--mixture", "100:0", check=False)
