@@ -51,7 +51,11 @@ def mixture_figures(inputs: PlanInput, result: dict, sources: list[tuple[int, fl
         passes = taken / images
         kept = 1.0 if cache >= node else max(0, cache - working) / node
         fetched = min(passes, 1) + max(0.0, passes - 1) * (1 - kept)  # passes' worth of bytes fetched
+        # the step whose batch takes the source's last unseen sample (its batches hold share x
+        # global_batch within a few samples): train.steps for a run that stops when it runs out
+        first_pass_step = math.ceil(images / (share * inputs.global_batch))
         figures.append({"images": images, "weight": weight, "share": share, "samples": taken, "passes": passes,
+                        "first_pass_step": first_pass_step,
                         "shards": n, "egress_bytes": fetched * images * inputs.mean_image_bytes,
                         "egress_bytes_per_node": fetched * node, "cache_bytes_per_node": cache,
                         "cache_kept_fraction": kept})
@@ -62,7 +66,8 @@ def mixture_report(figures: list[dict]) -> list[str]:
     lines = ["  mixture: each source read through its own loader, its epochs its own:"]
     for i, f in enumerate(figures):
         lines.append(f"    source {i}: {f['images']:,} images at weight {f['weight']:g} ({f['share']:.1%} of every "
-                     f"batch): {f['samples']:,.0f} samples drawn, {f['passes']:,.2f} passes over it; "
+                     f"batch): {f['samples']:,.0f} samples drawn, {f['passes']:,.2f} passes over it (the first "
+                     f"ends at step {f['first_pass_step']:,}); "
                      f"{f['shards']:,} shards; egress {f['egress_bytes'] / 1e12:,.2f} TB in the run, at most "
                      f"{f['egress_bytes_per_node'] / 1e9:,.1f} GB per node; "
                      f"node cache {f['cache_bytes_per_node'] / 1e9:,.1f} GB "

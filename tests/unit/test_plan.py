@@ -91,6 +91,8 @@ def test_a_mixture_plan_gives_each_source_its_share_of_the_samples_egress_and_ca
     assert math.isclose(big["samples"], 0.75 * samples) and math.isclose(small["samples"], 0.25 * samples)
     assert math.isclose(big["passes"], 0.75 * 15e6 / 4e6) and math.isclose(small["passes"], 3.75)
     assert big["shards"] == 400 and small["shards"] == 100
+    # 4M samples at 0.75 x 4096 a step, 1M at 0.25 x 4096: where each source's first pass ends
+    assert big["first_pass_step"] == 1303 and small["first_pass_step"] == 977
     # Each node's 8 ranks hold 1 shard open and 2 ahead of each source (24 GB); the other 12 GB go
     # to the small source, whose bytes are read more often (3.75 passes against 2.81).
     assert big["cache_bytes_per_node"] == 24e9 and small["cache_bytes_per_node"] == 36e9
@@ -106,5 +108,6 @@ def test_a_mixture_plan_gives_each_source_its_share_of_the_samples_egress_and_ca
     assert roomy[0]["cache_bytes_per_node"] == 49e9
     text = vitforge("plan", "--mixture", "4000000:3", "1000000:1").stdout
     assert "source 0: 4,000,000 images at weight 3 (75.0% of every batch)" in text
+    assert "passes over it (the first ends at step 1,303)" in text
     bad = vitforge("plan", "--mixture", "100:0", check=False)
     assert bad.returncode == errors.USAGE and "--mixture '100:0'" in bad.stderr
