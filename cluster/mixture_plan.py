@@ -8,7 +8,8 @@ the sources read most often per byte). A source's first pass is fetched whole; e
 fetches again what its share does not keep: nothing when the share holds all the node reads of it,
 else all but (share - working set) / what the node reads (an estimate: each pass is reshuffled, and
 the cache keeps what the next pass needs soonest). One node reads each shard (the loader's
-partitions), so the egress is the fetches of every node.
+partitions), so the egress is the fetches of every node. Not counted: the few shards the last
+batch of a pass opens for its padding (the loader counts them: pipeline's node_shards).
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from vitforge.core import CheckpointError
 from .backend import Backend, Batch, find_backend
 from .index import DatasetError, DatasetIndex, load_index
 from .order import RankSlice, partition_shards_of
+from .reader import NodeFuture
 from .spec import LoaderSpec
 
 log = logging.getLogger("vitforge.pipeline")
@@ -225,3 +226,14 @@ def dataset_index(spec: LoaderSpec) -> DatasetIndex:
             raise DatasetError(f"{spec.dataset}: {e}") from None
         log.info("subset %r of %s: %d samples", spec.subset, spec.dataset, len(index))
     return index
+
+
+def node_shards(index: DatasetIndex, spec: LoaderSpec, rank: int, world_size: int, ranks_per_node: int,
+                epoch: int = 0) -> list[int]:
+    """The shards the node of `rank` reads in `epoch` from its start, as its cache's eviction counts
+    them (reader.NodeFuture): those of its ranks' partitions, and those the last batch's padding
+    may open (every shard whose samples' shuffle window reaches the order's first positions: exact
+    with data.shuffle_window 1, a few more otherwise). O(shards of those partitions)."""
+    rank_slice = RankSlice(len(index), 0, rank, world_size, spec.batch_size, spec.epoch_end, 1,
+                           spec.partitions or world_size, ranks_per_node)
+    return NodeFuture(index, spec, epoch, rank_slice).shards

@@ -40,9 +40,9 @@ import torch
 from vitforge.core import CheckpointError, is_remote
 
 from .backend import Batch, make_batch
-from .cache_shares import CacheDemand, node_bytes, node_cache_shares
+from .cache_shares import CacheDemand, node_cache_shares
 from .index import DatasetError, DatasetIndex
-from .loader import Loader, build_loader, dataset_index
+from .loader import Loader, build_loader, dataset_index, node_shards
 from .spec import LoaderSpec, MixtureSource
 
 log = logging.getLogger("vitforge.pipeline")
@@ -357,6 +357,8 @@ def _normalise_once(loaders: list[Loader]):
 
 def _normalise_into(normalise, pixels: np.ndarray, out: np.ndarray, rows: np.ndarray) -> None:
     """uint8 `pixels` normalised into `out`'s `rows`, a run of consecutive rows at a time."""
+    if not len(rows):
+        return
     breaks = np.flatnonzero(np.diff(rows) != 1) + 1
     for start, stop in zip([0, *breaks.tolist()], [*breaks.tolist(), len(rows)]):
         row = int(rows[start])
@@ -383,8 +385,8 @@ def build_mixture_loader(spec: LoaderSpec, sources: list[MixtureSource], rank: i
             indexes.append(dataset_index(parts[-1]))
         except DatasetError as e:
             raise DatasetError(f"mixture source {source.url}: {e}") from None
-    demands = [_cache_demand(s, index, spec, min(ranks_per_node, world_size), world_size)
-               for s, index in zip(sources, indexes)]
+    demands = [_cache_demand(s, index, part, rank, world_size, ranks_per_node)
+               for s, index, part in zip(sources, indexes, parts)]
     caches = node_cache_shares(int(spec.cache_gb * 1e9), demands)
     loaders = []
     for source, part, index, cache in zip(sources, parts, indexes, caches):
@@ -401,15 +403,17 @@ def build_mixture_loader(spec: LoaderSpec, sources: list[MixtureSource], rank: i
     return mixture
 
 
-def _cache_demand(source: MixtureSource, index: DatasetIndex, spec: LoaderSpec, ranks_per_node: int,
-                  world_size: int) -> CacheDemand:
+def _cache_demand(source: MixtureSource, index: DatasetIndex, spec: LoaderSpec, rank: int, world_size: int,
+                  ranks_per_node: int) -> CacheDemand:
+    """What this rank's node asks of the cache for one source: the bytes of the shards it reads in a
+    pass, and its ranks' open and read-ahead shards (at the largest of those sizes)."""
     if not any(is_remote(url) for url in index.shard_urls):
         return CacheDemand(source.weight, len(index), 0, 0)  # read in place, never through the cache
-    total = largest = math.inf  # sizes unknown (tars made elsewhere): the shares go by weight
-    if index.shard_bytes is not None:
-        total, largest = sum(index.shard_bytes), max(index.shard_bytes)
-    return CacheDemand(source.weight, len(index), node_bytes(total, largest, ranks_per_node, world_size),
-                       ranks_per_node * (1 + spec.shards_ahead) * largest)
+    if index.shard_bytes is None:  # tars made elsewhere: sizes unknown
+        return CacheDemand(source.weight, len(index), math.inf, 0)
+    sizes = [index.shard_bytes[s] for s in node_shards(index, spec, rank, world_size, ranks_per_node)]
+    readers = min(ranks_per_node, world_size - rank // ranks_per_node * ranks_per_node)
+    return CacheDemand(source.weight, len(index), sum(sizes), readers * (1 + spec.shards_ahead) * max(sizes))
 
 
 def _workers_of(total: int, shares: list[float]) -> list[int]:

@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from vitforge.core import UsageError, check_store_url, masked
+from vitforge.core import UsageError, check_store_url, is_remote, masked
 from vitforge.core.settings import Switch, problems
 
 from .backend import check_backend_name
@@ -117,7 +117,8 @@ class LoaderSettings(BaseModel):
 class MixtureSource(BaseModel):
     """One source of a mixture (data.train: [{url: s3://a/shards, weight: 0.7}, ...])."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # a refused URL may carry credentials: the error says what is wrong with it, masked, never its input
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
     url: str
     """The dataset: what data.train takes for one (a folder or store prefix with dataset.json, tars)."""
@@ -127,7 +128,8 @@ class MixtureSource(BaseModel):
     @field_validator("url")
     @classmethod
     def _no_credentials(cls, value: str) -> str:
-        check_store_url(value)
+        if is_remote(value):
+            check_store_url(value)
         return value
 
     @field_validator("weight")

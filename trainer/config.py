@@ -66,7 +66,7 @@ class DataConfig(LoaderSettings):
     @field_validator("train", "val")
     @classmethod
     def _sources(cls, value):
-        if isinstance(value, str):
+        if isinstance(value, str) and is_remote(value):
             check_store_url(value)  # here, before a store's own errors (a missing account) hide it
         if isinstance(value, list):
             urls = [source.url for source in value]

@@ -18,7 +18,8 @@ import pytest
 from common.checks import losses
 from common.cli import EXTENSIONS, start_ranks, train, vitforge
 from vitforge.core import CheckpointError, errors
-from vitforge.pipeline import DatasetError, LoaderSpec, MixtureSource, batch_counts, build_mixture_loader
+from vitforge.pipeline import DatasetError, LoaderSpec, MixtureSource, batch_counts, build_loader, build_mixture_loader
+from vitforge.pipeline.loader import dataset_index, node_shards
 from vitforge.pipeline.mixture import SOURCE_SHIFT, interleave
 from vitforge.shards import ShardJob, run
 from vitforge.synthetic import write_class_folders
@@ -204,6 +205,26 @@ def test_the_decode_workers_are_shared_out_and_a_mixture_below_one_step_is_refus
     with pytest.raises(DatasetError, match=r"the mixture's 5000 samples are fewer than one optimizer step of 4 ranks "
                                            r"x 2000 x 1"):
         build_mixture_loader(big, _mixture(sources), 0, 4)
+
+
+@pytest.mark.parametrize("world_size", [4, 7])
+def test_the_shards_a_node_is_counted_on_are_those_its_ranks_read_in_an_epoch(sources, world_size):
+    """A source's cache share is sized from node_shards: every shard the node's ranks open in an
+    epoch, the last batch's padding included (at 7 ranks of 16, 3,000 samples leave 24 positions
+    of padding, which open 1 to 4 more shards on each node), exactly when the order mixes no
+    samples across shards (shuffle_window 1); with a window, a superset of them, not every shard."""
+    for window in (1, 16384):
+        spec = LoaderSpec(sources[0], batch_size=BATCH, image_size=16, backend="torch", workers=0, seed=3,
+                          shuffle_window=window)
+        index = dataset_index(spec)
+        names = [url.rsplit("/", 1)[-1] for url in index.shard_urls]
+        for node in range(-(-world_size // 2)):
+            ranks = range(2 * node, min(2 * node + 2, world_size))
+            read = {key.split(":")[0] for rank in ranks
+                    for batch in build_loader(spec, rank, world_size, ranks_per_node=2) for key in batch["key"]}
+            counted = {names[s] for s in node_shards(index, spec, ranks[0], world_size, 2)}
+            assert (counted == read if window == 1 else read <= counted), (window, node, sorted(counted ^ read))
+            assert len(counted) < len(names)
 
 
 @pytest.mark.parametrize("mixture, words", [

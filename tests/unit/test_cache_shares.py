@@ -1,5 +1,6 @@
 """node_cache_shares: a mixture's sources share one node cache bound: working sets first, then
-the sources read most often per byte, none to a local source, by weight when the bound is short."""
+the sources read most often per byte, none to a local source, by weight (capped at what each
+needs) when the bound is short."""
 
 from __future__ import annotations
 
@@ -28,8 +29,26 @@ def test_a_local_source_gets_none_and_a_short_bound_goes_by_weight():
     big = CacheDemand(3, 1000, 50 * GB, 6 * GB)
     # 2 working sets of 6 GB do not fit in 8: by weight, 3 to 1 (each streams some shards)
     assert node_cache_shares(8 * GB, [big, CacheDemand(1, 1000, 50 * GB, 6 * GB)]) == [6 * GB, 2 * GB]
-    # sizes unknown (tars made elsewhere): by weight
-    assert node_cache_shares(8 * GB, [CacheDemand(0.5, 10, math.inf, math.inf), remote]) == [4 * GB, 4 * GB]
+    # by weight, but none above what the node reads of a source: a 1 GB curated set keeps all of
+    # it and the crawl (whose working set alone is over the bound) the rest
+    crawl = CacheDemand(0.5, 10**8, 1000 * GB, 70 * GB)
+    assert node_cache_shares(64 * GB, [crawl, CacheDemand(0.5, 10**6, 1 * GB, 3 * GB)]) == [63 * GB, 1 * GB]
+    # a cap that frees room for the others, by weight, in turn
+    three = [CacheDemand(1, 10, 1 * GB, 5 * GB), CacheDemand(2, 10, 100 * GB, 50 * GB),
+             CacheDemand(1, 10, 100 * GB, 50 * GB)]
+    assert node_cache_shares(61 * GB, three) == [1 * GB, 40 * GB, 20 * GB]
+
+
+def test_a_source_of_unknown_sizes_takes_what_is_left_in_its_turn():
+    # tars made elsewhere: no working set to reserve and no cap; the 1 GB curated set, read most
+    # often per byte, is cached whole first, the unknown-size crawl takes the rest
+    unknown = CacheDemand(0.99, 10**8, math.inf, 0)
+    curated = CacheDemand(0.01, 10**4, 1 * GB, 0.5 * GB)
+    assert node_cache_shares(64 * GB, [unknown, curated]) == [63 * GB, 1 * GB]
+    # read more often per byte than a known source: the known one still keeps its working set
+    small = [CacheDemand(0.5, 10, math.inf, 0), CacheDemand(0.5, 1000, 50 * GB, 3 * GB)]
+    assert node_cache_shares(8 * GB, small) == [5 * GB, 3 * GB]
+    assert node_cache_shares(2 * GB, small) == [1 * GB, 1 * GB]  # below that working set: by weight
 
 
 def test_the_shares_never_exceed_the_bound():
