@@ -170,8 +170,7 @@ def open_store(url: str, work_dir: str = "_work/tmp") -> Store:
     """The store rooted at `url`. `work_dir`: where a local store keeps temporaries (inside the
     store, so renames are atomic); object stores stage on local disk instead."""
     scheme = scheme_of(url)
-    if is_remote(url):
-        check_store_url(url)
+    check_store_url(url)
     if read_only(url):
         return registry.load(FSSPEC_FALLBACK)(url, work_dir)
     opener = registry.find(_openers, scheme, unknown=lambda known: UsageError(

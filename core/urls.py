@@ -37,9 +37,10 @@ def without_userinfo(text: str) -> str:
 def check_store_url(url: str) -> None:
     """Refuse (UsageError, the URL shown masked) an object-store URL with a query, a fragment, a
     password, or a `.`/`..` path segment. `container@account.host` (Azure's abfs form) is a host,
-    not a credential; a `:` before its `@` is a password."""
-    _, sep, rest = url.partition("://")
-    if not sep:
+    not a credential; a `:` before its `@` is a password. A local path (or file:// URL) is a path,
+    whatever characters it holds: nothing to check."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.lower() == "file":
         return
     authority, _, path = rest.partition("/")
     if "?" in rest or "#" in rest:

@@ -262,11 +262,12 @@ class MixtureLoader:
         for s, piece in zip(sources, pieces):
             n = len(piece["label"])
             where = rows[at:at + n]
+            on_device = torch.from_numpy(where).to(label.device)  # the images' device too (Batch)
             if self._normalise is None:
-                image.index_copy_(0, torch.from_numpy(where).to(image.device), piece["image"])
+                image.index_copy_(0, on_device, piece["image"])
             else:
                 _normalise_into(self._normalise, piece["image"].numpy(), image.numpy(), where)
-            label[torch.from_numpy(where).to(label.device)] = self._labels(s, piece["label"])
+            label[on_device] = self._labels(s, piece["label"])
             position[where] = np.asarray(piece["position"]) + (s << SOURCE_SHIFT)
             real[where] = np.asarray(piece["real"])
             for row, key in zip(where.tolist(), piece["key"]):

@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from vitforge.core import UsageError, check_store_url, is_remote, masked
+from vitforge.core import UsageError, check_store_url, masked
 from vitforge.core.settings import Switch, problems
 
 from .backend import check_backend_name
@@ -128,8 +128,7 @@ class MixtureSource(BaseModel):
     @field_validator("url")
     @classmethod
     def _no_credentials(cls, value: str) -> str:
-        if is_remote(value):
-            check_store_url(value)
+        check_store_url(value)
         return value
 
     @field_validator("weight")

@@ -66,7 +66,7 @@ class DataConfig(LoaderSettings):
     @field_validator("train", "val")
     @classmethod
     def _sources(cls, value):
-        if isinstance(value, str) and is_remote(value):
+        if isinstance(value, str):
             check_store_url(value)  # here, before a store's own errors (a missing account) hide it
         if isinstance(value, list):
             urls = [source.url for source in value]
@@ -307,8 +307,7 @@ class CheckpointConfig(Strict):
                              f"{', '.join(s + '://' for s in store_schemes())})")
         if is_remote(value) and not value.split("://", 1)[1].split("/", 1)[0]:
             raise ValueError(f"{value!r}: no bucket in the {scheme}:// URL")
-        if is_remote(value):
-            check_store_url(value)
+        check_store_url(value)
         return value
 
     @field_validator("run")
