@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 import socket
 
+from .scheduler import SLURM_PORT_BASE
+
 LOWEST = 10000  # below: the registered ports of common services
 TRIES = 64
 
@@ -14,10 +16,12 @@ def free_port(host: str = "127.0.0.1") -> int:
     rendezvous store, a test's stand-in server). Picked at random below the kernel's ephemeral
     range: bind(0) hands out a port inside that range, where any process's outgoing connection may
     take it before the server binds it (EADDRINUSE: seen with tests in parallel); below it only
-    another explicit bind can. Random from the OS, not the `random` module, so that processes
-    seeded alike do not pick alike."""
+    another explicit bind can. Below the SLURM jobs' rendezvous ports too (SLURM_PORT_BASE up),
+    which a job binds from its id without asking: a server here must not hold a job's port before
+    the job starts. Random from the OS, not the `random` module, so that processes seeded alike
+    do not pick alike."""
     pick = random.SystemRandom()
-    highest = _ephemeral_start() - 1
+    highest = min(_ephemeral_start(), SLURM_PORT_BASE) - 1
     for _ in range(TRIES if highest > LOWEST else 0):
         with socket.socket() as s:
             try:

@@ -292,6 +292,9 @@ def test_a_sharding_array_on_slurm_plans_and_downloads_a_parquet_url_list_to_wha
         assert time.monotonic() < deadline, slurm_commands.job_info(merge)
         time.sleep(0.5)
     logs = {p.name: p.read_text() for p in (tmp_path / "logs").glob("*.out")}
-    assert slurm_commands.job_info(merge)["JobState"] == "COMPLETED", logs
+    tasks = {f"{array}_{i}": slurm_commands.job_info(f"{array}_{i}") for i in range(3)}
+    assert slurm_commands.job_info(merge)["JobState"] == "COMPLETED", "\n".join(
+        [f"{task}: {info['JobState']} exit {info.get('ExitCode')} {info.get('Reason')}" for task, info in tasks.items()]
+        + [f"--- {name}\n{text}" for name, text in sorted(logs.items())])
     assert sum("part " in text and " of 3: built " in text for text in logs.values()) == 3, logs
     assert without_plan(tree_bytes(tmp_path / "array")) == without_plan(tree_bytes(tmp_path / "one"))

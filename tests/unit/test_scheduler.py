@@ -1,12 +1,14 @@
 """The scheduler table (vitforge.core.scheduler): each environment's row, its order, bad values naming
 their variable, and the light imports a login node relies on. Pure environment dicts: no processes."""
 
+import socket
 import subprocess
 import sys
 
 import pytest
 
-from vitforge.core import SCHEDULERS, UsageError, first_host, scheduler_env
+from vitforge.core import SCHEDULERS, UsageError, first_host, free_port, scheduler_env
+from vitforge.core.scheduler import SLURM_PORT_BASE
 
 SRUN = {"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1", "SLURM_JOB_NODELIST": "dgx[003-004]",
         "SLURM_JOB_ID": "123456", "SLURM_TASKS_PER_NODE": "8(x2)", "SLURM_RESTART_COUNT": "2"}
@@ -116,3 +118,14 @@ def test_launcher_registry_and_the_slurm_launcher():
     array, merge = slurm.scripts(shard, [1, 3])
     assert (array.text, array.kind, merge.text, merge.kind) == \
         (render_shard_array(shard, [1, 3]), "job array", render_merge(shard), "merge job")
+
+
+def test_a_free_port_is_below_the_ephemeral_range_and_the_slurm_jobs_ports():
+    # A server's port must be neither one an outgoing connection may take (the ephemeral range) nor
+    # one a SLURM job on this host binds from its id without asking (SLURM_PORT_BASE up).
+    ephemeral = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    ports = {free_port() for _ in range(200)}
+    assert all(10000 <= port < min(ephemeral, SLURM_PORT_BASE) for port in ports), sorted(ports)
+    assert len(ports) > 150  # at random, not one port handed to every test worker
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports.pop()))  # free when handed out
