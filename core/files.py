@@ -8,6 +8,10 @@ import os
 from typing import Iterator
 
 PARTIAL_MARK = ".partial-"
+# Local folders come and go under a writer: a store removes a folder once it is empty (an object
+# store has none to keep), and whichever sharding task finishes first removes the shared work
+# folder. Each removal costs a writer one more try; this many in a row is removal on purpose.
+TRIES = 100
 
 
 def sha256_file(path: str) -> str:
@@ -22,15 +26,51 @@ def atomic_path(path: str, tmp: str | None = None) -> Iterator[str]:
     tmp = tmp or f"{path}{PARTIAL_MARK}{os.getpid()}"
     try:
         yield tmp
-        os.replace(tmp, path)
+        replace_into(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
 
 
+def make_folder(path: str) -> None:
+    """`os.makedirs(path, exist_ok=True)` that a concurrent removal of `path` or a parent cannot
+    fail (makedirs itself raises FileExistsError when the folder goes between its two checks)."""
+    for _ in range(TRIES):
+        try:
+            os.makedirs(path, exist_ok=True)
+            return
+        except (FileNotFoundError, FileExistsError):
+            continue
+    os.makedirs(path, exist_ok=True)
+
+
+def create_file(path: str, mode: str = "wb", buffering: int = -1):
+    """`open(path, mode)` for writing, its folder made again when it vanished between making it and
+    creating the file. Once the file exists the folder is not empty, so nothing removes it."""
+    for _ in range(TRIES):
+        try:
+            return open(path, mode, buffering=buffering)
+        except FileNotFoundError:
+            make_folder(os.path.dirname(path))
+    return open(path, mode, buffering=buffering)
+
+
+def replace_into(src: str, path: str) -> None:
+    """`os.replace(src, path)`, `path`'s folder made (again) when it is missing."""
+    for _ in range(TRIES):
+        try:
+            os.replace(src, path)
+            return
+        except FileNotFoundError:
+            if not os.path.exists(src):
+                raise
+            make_folder(os.path.dirname(path))
+    os.replace(src, path)
+
+
 def atomic_write(path: str, data: bytes, tmp: str | None = None) -> None:
     with atomic_path(path, tmp) as tmp:
-        with open(tmp, "wb") as f:
+        with create_file(tmp) as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())

@@ -17,7 +17,9 @@ What every implementation guarantees (tests/integration/test_store_contract.py r
   started on, so an object replaced mid-way fails instead of mixing two versions;
 - a missing object raises FileNotFoundError naming its URL; a store that refuses (no bucket, bad
   credentials) raises StorageError in one line naming the URL and the cause, without a secret;
-  a transfer cut short is retried within the bounds of retry.py.
+  a transfer cut short is retried within the bounds of retry.py;
+- a "folder" is no object: a write into one lands whatever other writers delete or tidy meanwhile
+  (a local store makes a folder again that another writer removed once it was empty).
 Credentials come from each cloud's standard chain, never from a URL, a config or our arguments: a
 URL with a query string, a password or a `..` segment is refused before any store opens (urls.py).
 """
@@ -395,7 +397,11 @@ def discard_stale(folder: str, shard_names: set[str]) -> int:
     any other temporary whose writer ran on this host and is gone. Other writers' live files stay."""
     stems = tuple(name.replace("/", "%").removesuffix(".tar") + "." for name in shard_names)
     removed = 0
-    for entry in os.listdir(folder) if os.path.isdir(folder) else []:
+    try:
+        entries = os.listdir(folder)
+    except FileNotFoundError:  # another writer that finished removed it empty
+        entries = []
+    for entry in entries:
         base, _, writer = entry.partition(PARTIAL_MARK)
         host, _, pid = writer.rpartition("-")
         ours = any(stem in base for stem in stems)

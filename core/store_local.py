@@ -11,7 +11,7 @@ import shutil
 from dataclasses import dataclass
 
 from .errors import PreconditionFailed, StorageError, UsageError
-from .files import PARTIAL_MARK, atomic_write
+from .files import PARTIAL_MARK, atomic_write, create_file, make_folder, replace_into
 from .store import ObjectInfo, discard_stale, temp_name
 
 
@@ -37,26 +37,27 @@ class LocalStore:
         """Move (or with `keep`, copy) a local file into the store, all or nothing."""
         target = self.url(name)
         try:
-            os.makedirs(os.path.dirname(target), exist_ok=True)
+            make_folder(os.path.dirname(target))
             if keep or not _same_device(local_path, self._temp_dir()):
                 tmp = self.temp_path(name)
                 try:
+                    create_file(tmp).close()  # in the work folder from now: no tidy removes the folder
                     shutil.copyfile(local_path, tmp)
                     _fsync(tmp)
-                    os.replace(tmp, target)
+                    replace_into(tmp, target)
                 finally:
                     if os.path.exists(tmp):
                         os.unlink(tmp)
                 if not keep:
                     os.unlink(local_path)
             else:
-                os.replace(local_path, target)
+                replace_into(local_path, target)
         except OSError as e:
             raise _local_error(target, e) from None
 
     def put_bytes(self, name: str, data: bytes) -> None:
         try:
-            os.makedirs(os.path.dirname(self.url(name)), exist_ok=True)
+            make_folder(os.path.dirname(self.url(name)))
             atomic_write(self.url(name), data, self.temp_path(name))
         except OSError as e:
             raise _local_error(self.url(name), e) from None
@@ -82,8 +83,7 @@ class LocalStore:
         """Write only if the object is still at `version` (None: only if absent). Compare and
         swap under an exclusive lock on a lock file beside it; returns the new version."""
         path = self.url(name)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(f"{path}.lock", "a") as lock:
+        with create_file(f"{path}.lock", "ab") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             current = self.get_versioned(name)
             if (current[1] if current else None) != version:
@@ -174,9 +174,14 @@ class LocalStore:
         for name in names:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.url(name))
+        # Folders emptied go, as an object store has none; the root and what holds it stay.
         for folder in sorted({os.path.dirname(self.url(n)) for n in names}, key=len, reverse=True):
-            with contextlib.suppress(OSError):
-                os.removedirs(folder)
+            while folder.startswith(self.root + os.sep):
+                try:
+                    os.rmdir(folder)
+                except OSError:
+                    break
+                folder = os.path.dirname(folder)
 
     def abort_uploads(self, prefix: str) -> int:
         """Remove the temporaries of dead writers on this host (a local store keeps every
@@ -196,12 +201,12 @@ class LocalStore:
 
     def finish(self) -> None:
         with contextlib.suppress(OSError):
-            os.rmdir(self._temp_dir())  # fails while another part still writes there
+            os.rmdir(self._temp_dir())  # fails while another part has a file there; one about to write makes it again
 
     def _temp_dir(self) -> str:
         folder = os.path.join(self.root, self.work_dir)
         try:
-            os.makedirs(folder, exist_ok=True)
+            make_folder(folder)
         except OSError as e:
             raise _local_error(folder, e) from None
         return folder

@@ -18,7 +18,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
-from vitforge.core import Progress, UsageError, open_store
+from vitforge.core import Progress, UsageError, create_file, open_store
 
 from .array_plan import plan_across_array, spreads
 from .claims import made_once
@@ -313,7 +313,7 @@ def _pack_shard(staging: str, results, progress: Progress) -> StagedShard:
     changes: Counter = Counter()
     histograms = {name: Counter() for name in HISTOGRAMS}
     with _removed_on_error(staging):
-        with open(staging, "wb", buffering=1 << 20) as out, TarShardWriter(out) as writer:
+        with create_file(staging, buffering=1 << 20) as out, TarShardWriter(out) as writer:
             for result in results:
                 if "reject" in result:
                     rejects.append(result["reject"])

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
+import sys
 import threading
 import uuid
 from dataclasses import dataclass, field
@@ -426,3 +428,48 @@ def test_an_unknown_scheme_lists_the_known_ones(schemes, monkeypatch):
     text = str(caught.value)
     assert "nosuch://" in text and all(f"{s}://" in text for s in ("file", "s3", "gs", "az", "abfs"))
     assert store_module.ENTRY_POINT_GROUP in text
+
+
+def test_a_local_folder_removed_under_a_writer_costs_a_retry_not_the_write(tmp_path):
+    # Local only: an object store has no folders to lose. A local one loses two kinds: a folder
+    # its delete emptied (as object stores have none, it removes them), and the shared work folder
+    # that the first sharding task to finish removes while the others still write through it. Here
+    # another process removes both whenever they are empty, about 5,000 times a second, while
+    # this one writes every way a store writes. Before the writers made their folders again, this
+    # failed within seconds ("No such file or directory", or makedirs' own "File exists").
+    store = open_store(str(tmp_path / "store"))
+    work = os.path.dirname(store.temp_path("x"))
+    remover = subprocess.Popen([sys.executable, "-c", f"""
+import contextlib, os, time
+while True:
+    for folder in ({work!r}, {store.url("d")!r}):
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)
+    time.sleep(0.0002)
+"""])
+    try:
+        local = tmp_path / "local.bin"
+        for i in range(1500):
+            data = f"{i}".encode()
+            name = f"d/{i % 3}.bin"
+            if i % 3 == 0:
+                store.put_bytes(name, data)
+            elif i % 3 == 1:
+                local.write_bytes(data)
+                store.put_file(str(local), name, keep=i % 2 == 0)
+            else:
+                current = store.get_versioned(name)
+                store.put_if(name, data, current[1] if current else None)
+            assert store.get_bytes(name) == data
+            store.delete([name, f"{name}.lock"])  # the folder goes once it is empty
+            store.discard_stale_temporaries(set())
+    finally:
+        remover.kill()
+        remover.wait()
+    assert store.list("d") == [] and not os.path.exists(store.url("d"))
+    # Only emptied folders inside go: never the root, nor the folders that hold it.
+    inner = open_store(str(tmp_path / "outer" / "inner"))
+    inner.put_bytes("a/b.bin", b"x")
+    shutil.rmtree(os.path.dirname(os.path.dirname(inner.temp_path("x"))))  # the work folder: the root is a/ only
+    inner.delete(["a/b.bin"])
+    assert os.listdir(inner.url("")) == [] and os.path.isdir(tmp_path / "outer")
