@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 from typing import Iterator
@@ -10,8 +11,10 @@ from typing import Iterator
 PARTIAL_MARK = ".partial-"
 # Local folders come and go under a writer: a store removes a folder once it is empty (an object
 # store has none to keep), and whichever sharding task finishes first removes the shared work
-# folder. Each removal costs a writer one more try; this many in a row is removal on purpose.
+# folder. Each removal costs a writer one more try, so the bound is never reached by accident.
 TRIES = 100
+# How a folder removed under a writer shows: ENOENT here, ESTALE from NFS when another node removed it.
+_GONE = (errno.ENOENT, errno.ESTALE)
 
 
 def sha256_file(path: str) -> str:
@@ -22,7 +25,7 @@ def sha256_file(path: str) -> str:
 @contextlib.contextmanager
 def atomic_path(path: str, tmp: str | None = None) -> Iterator[str]:
     """Yield a temporary name (beside `path` unless given: it must be on the same filesystem);
-    rename it into place only if the block succeeds."""
+    rename it into place only if the block succeeds, making `path`'s folder if it is missing."""
     tmp = tmp or f"{path}{PARTIAL_MARK}{os.getpid()}"
     try:
         yield tmp
@@ -39,30 +42,36 @@ def make_folder(path: str) -> None:
         try:
             os.makedirs(path, exist_ok=True)
             return
-        except (FileNotFoundError, FileExistsError):
+        except FileExistsError:
             continue
+        except OSError as e:
+            if e.errno not in _GONE:
+                raise
     os.makedirs(path, exist_ok=True)
 
 
 def create_file(path: str, mode: str = "wb", buffering: int = -1):
-    """`open(path, mode)` for writing, its folder made again when it vanished between making it and
-    creating the file. Once the file exists the folder is not empty, so nothing removes it."""
+    """`open(path, mode)` for writing, its folder (and any parent missing) made again when it
+    vanished before the file was created. Once the file exists its folder is not empty, so
+    nothing removes it."""
     for _ in range(TRIES):
         try:
             return open(path, mode, buffering=buffering)
-        except FileNotFoundError:
+        except OSError as e:
+            if e.errno not in _GONE:
+                raise
             make_folder(os.path.dirname(path))
     return open(path, mode, buffering=buffering)
 
 
 def replace_into(src: str, path: str) -> None:
-    """`os.replace(src, path)`, `path`'s folder made (again) when it is missing."""
+    """`os.replace(src, path)`, `path`'s folder (and any parent missing) made when it is missing."""
     for _ in range(TRIES):
         try:
             os.replace(src, path)
             return
-        except FileNotFoundError:
-            if not os.path.exists(src):
+        except OSError as e:
+            if e.errno not in _GONE or not os.path.exists(src):
                 raise
             make_folder(os.path.dirname(path))
     os.replace(src, path)

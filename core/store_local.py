@@ -38,7 +38,7 @@ class LocalStore:
         target = self.url(name)
         try:
             make_folder(os.path.dirname(target))
-            if keep or not _same_device(local_path, self._temp_dir()):
+            if keep or not _same_device(local_path, self.root):  # the root: no tidy removes it
                 tmp = self.temp_path(name)
                 try:
                     create_file(tmp).close()  # in the work folder from now: no tidy removes the folder
@@ -83,12 +83,15 @@ class LocalStore:
         """Write only if the object is still at `version` (None: only if absent). Compare and
         swap under an exclusive lock on a lock file beside it; returns the new version."""
         path = self.url(name)
-        with create_file(f"{path}.lock", "ab") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            current = self.get_versioned(name)
-            if (current[1] if current else None) != version:
-                raise PreconditionFailed(f"{path}: changed by another writer")
-            atomic_write(path, data)
+        try:
+            with create_file(f"{path}.lock", "ab") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                current = self.get_versioned(name)
+                if (current[1] if current else None) != version:
+                    raise PreconditionFailed(f"{path}: changed by another writer")
+                atomic_write(path, data)
+        except OSError as e:
+            raise _local_error(path, e) from None
         return hashlib.sha256(data).hexdigest()
 
     def download(self, name: str, local_path: str, part_bytes: int = 16 << 20, threads: int = 8,
@@ -175,8 +178,9 @@ class LocalStore:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.url(name))
         # Folders emptied go, as an object store has none; the root and what holds it stay.
-        for folder in sorted({os.path.dirname(self.url(n)) for n in names}, key=len, reverse=True):
-            while folder.startswith(self.root + os.sep):
+        inside = self.root.rstrip(os.sep) + os.sep
+        for folder in sorted({os.path.normpath(os.path.dirname(self.url(n))) for n in names}, key=len, reverse=True):
+            while folder.startswith(inside):
                 try:
                     os.rmdir(folder)
                 except OSError:
