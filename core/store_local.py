@@ -90,6 +90,8 @@ class LocalStore:
                 if (current[1] if current else None) != version:
                     raise PreconditionFailed(f"{path}: changed by another writer")
                 atomic_write(path, data)
+        except StorageError:
+            raise  # PreconditionFailed: the compare lost, the caller's to handle
         except OSError as e:
             raise _local_error(path, e) from None
         return hashlib.sha256(data).hexdigest()

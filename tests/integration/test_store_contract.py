@@ -481,3 +481,8 @@ while True:
     shutil.rmtree(os.path.dirname(os.path.dirname(inner.temp_path("x"))))  # the work folder: the root is a/ only
     inner.delete(["a/b.bin"])
     assert os.listdir(inner.url("")) == [] and os.path.isdir(tmp_path / "outer")
+    # A write that fails for another cause fails at once, in one line naming the object.
+    inner.put_bytes("f", b"")
+    with pytest.raises(StorageError, match="inner/f/x: Not a directory") as refused:
+        inner.put_if("f/x", b"", None)
+    assert not isinstance(refused.value, PreconditionFailed)
