@@ -5,7 +5,7 @@ __version__ = "0.2.0"
 
 from .errors import (CheckpointError, DivergedError, PreconditionFailed, StorageError, UsageError,  # noqa: E402
                      VitforgeError)
-from .files import PARTIAL_MARK, atomic_path, atomic_write, create_file, make_folder, replace_into, sha256_file  # noqa: E402
+from .files import PARTIAL_MARK, atomic_path, atomic_write, create_file, sha256_file  # noqa: E402
 from .logs import process_rank, setup_logging  # noqa: E402
 from .net import free_port  # noqa: E402
 from .process import die_with_parent, record_exit_code  # noqa: E402
@@ -20,7 +20,7 @@ from .urls import check_no_userinfo, check_store_url, masked, without_userinfo  
 __all__ = [
     "CheckpointError", "DivergedError", "ENTRY_POINT_GROUP", "LocalWriteError", "ObjectInfo", "PARTIAL_MARK",
     "PreconditionFailed", "Progress", "StorageError", "Store", "TransientError", "UsageError", "VitforgeError",
-    "__version__", "atomic_path", "atomic_write", "check_no_userinfo", "check_store_url", "create_file", "make_folder", "replace_into",
+    "__version__", "atomic_path", "atomic_write", "check_no_userinfo", "check_store_url", "create_file",
     "die_with_parent", "free_port", "is_remote",
     "local_write_error", "masked", "object_store", "open_store", "process_alive", "process_rank", "record_exit_code",
     "without_userinfo",

@@ -6,7 +6,7 @@ import contextlib
 import errno
 import hashlib
 import os
-from typing import Iterator
+from typing import Callable, Iterator, TypeVar
 
 PARTIAL_MARK = ".partial-"
 # Local folders come and go under a writer: a store removes a folder once it is empty (an object
@@ -15,6 +15,7 @@ PARTIAL_MARK = ".partial-"
 TRIES = 100
 # How a folder removed under a writer shows: ENOENT here, ESTALE from NFS when another node removed it.
 _GONE = (errno.ENOENT, errno.ESTALE)
+T = TypeVar("T")
 
 
 def sha256_file(path: str) -> str:
@@ -54,27 +55,25 @@ def create_file(path: str, mode: str = "wb", buffering: int = -1):
     """`open(path, mode)` for writing, its folder (and any parent missing) made again when it
     vanished before the file was created. Once the file exists its folder is not empty, so
     nothing removes it."""
-    for _ in range(TRIES):
-        try:
-            return open(path, mode, buffering=buffering)
-        except OSError as e:
-            if e.errno not in _GONE:
-                raise
-            make_folder(os.path.dirname(path))
-    return open(path, mode, buffering=buffering)
+    return _in_folder(lambda: open(path, mode, buffering=buffering), os.path.dirname(path))
 
 
 def replace_into(src: str, path: str) -> None:
     """`os.replace(src, path)`, `path`'s folder (and any parent missing) made when it is missing."""
+    _in_folder(lambda: os.replace(src, path), os.path.dirname(path), lambda: os.path.exists(src))
+
+
+def _in_folder(action: Callable[[], T], folder: str, may_retry: Callable[[], bool] = lambda: True) -> T:
+    """`action()`, retried with `folder` made again while it fails because a folder vanished
+    (and `may_retry()`: a missing source is no vanished folder)."""
     for _ in range(TRIES):
         try:
-            os.replace(src, path)
-            return
+            return action()
         except OSError as e:
-            if e.errno not in _GONE or not os.path.exists(src):
+            if e.errno not in _GONE or not may_retry():
                 raise
-            make_folder(os.path.dirname(path))
-    os.replace(src, path)
+            make_folder(folder)
+    return action()
 
 
 def atomic_write(path: str, data: bytes, tmp: str | None = None) -> None:

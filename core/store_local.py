@@ -36,8 +36,7 @@ class LocalStore:
     def put_file(self, local_path: str, name: str, keep: bool = False) -> None:
         """Move (or with `keep`, copy) a local file into the store, all or nothing."""
         target = self.url(name)
-        try:
-            make_folder(os.path.dirname(target))
+        try:  # the target's folder is made as it is renamed into place (replace_into)
             if keep or not _same_device(local_path, self.root):  # the root: no tidy removes it
                 tmp = self.temp_path(name)
                 try:
@@ -57,7 +56,6 @@ class LocalStore:
 
     def put_bytes(self, name: str, data: bytes) -> None:
         try:
-            make_folder(os.path.dirname(self.url(name)))
             atomic_write(self.url(name), data, self.temp_path(name))
         except OSError as e:
             raise _local_error(self.url(name), e) from None

@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from vitforge.core import atomic_write, create_file, make_folder, replace_into
-from vitforge.core import files
+from vitforge.core import atomic_write, create_file, files
+from vitforge.core.files import make_folder, replace_into
 from vitforge.core.store import discard_stale
 
 
