@@ -5,6 +5,7 @@ Layout: tests/unit holds in-process tests that start no server and no cluster (`
 tests/integration everything that runs the CLI, training or a real service; tests/common is the
 equipment both share. Every test is marked by the services its fixtures start (slurm, cluster, s3,
 gcs, azure, mlflow), so `-m "not cluster and not slurm"` and the like combine with `-m "not slow"`.
+Where a test lives (unit files are `test_<package>_<module>.py`): tests/README.md.
 
 Order: the longest tests first (`slow(seconds=N)`, N as measured in CI, then the other slow ones),
 so that xdist's workers end together: the suite is CPU-bound on 2 cores, and a 5-15 minute test

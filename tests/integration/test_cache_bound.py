@@ -1,4 +1,4 @@
-"""The node shard cache stays within its bound (issue 18) on a real S3 server (SeaweedFS): shards
+"""The node shard cache stays within its bound on a real S3 server (SeaweedFS): shards
 needed no more go first, then those needed last; a read-ahead without room fetches nothing; a shard
 needed now that cannot fit is read from the store; ranks in processes and loader workers in threads
 never take the folder over the bound, every byte arrives intact, and cache_footprint states what the
@@ -80,7 +80,7 @@ def read_all(source: ShardFile | StreamedShard) -> bytes:
     return b"".join(source.pread(BLOCK, at) for at in range(0, SHARD, BLOCK))
 
 
-def test_eviction_order_room_and_streaming(shards, s3_env, tmp_path, caplog):
+def test_the_cache_evicts_by_next_use_and_streams_a_shard_it_has_no_room_for(shards, s3_env, tmp_path, caplog):
     folder = str(tmp_path / "cache")
     by_name = names(shards)
     uses = {0: NEVER, 1: 10, 2: 5, 3: 3, 4: 7, 5: 20, 6: 0}  # shard -> the node's next read of it
@@ -176,19 +176,6 @@ def test_a_fetch_that_finishes_while_another_counts_the_folder_is_still_counted(
     assert not reading_ahead.prefetch(*shards[1]) and reading_ahead.skipped == 1
     fetch.join(30)
     assert finished.is_set() and cached(folder) == {0} and folder_bytes(folder) == SHARD
-
-
-def test_cache_footprint_rule():
-    gb = 10**9
-    paper = cache_footprint(int(3.3 * gb), 8, 2, 64 * gb)
-    assert (paper.shards, paper.ahead, paper.streams) == (19, 1, False)
-    assert paper.working_bytes == 8 * 2 * int(3.3 * gb) and paper.peak_bytes == 19 * int(3.3 * gb) <= 64 * gb
-    window = cache_footprint(int(3.3 * gb), 8, 2, 64 * gb, open_shards=3)  # a window spanning ~2.6 shards
-    assert window.streams and window.ahead == 0 and window.working_bytes == window.peak_bytes
-    tiny = cache_footprint(100, 4, 3, 99)  # not one shard fits: every reader streams
-    assert (tiny.shards, tiny.ahead, tiny.peak_bytes, tiny.streams) == (0, 0, 0, True)
-    with pytest.raises(ValueError, match="shard_bytes > 0"):
-        cache_footprint(0, 8, 2, 64 * gb)
 
 
 def test_readers_in_lockstep_keep_what_cache_footprint_says(shards, s3_env, tmp_path):

@@ -1,4 +1,4 @@
-"""The node's shard cache trusts only bytes it checked (issue 17), on a real S3 server (SeaweedFS):
+"""The node's shard cache trusts only bytes it checked, on a real S3 server (SeaweedFS):
 a full disk fails a fetch cleanly and the loader reads from the store instead; a cached shard that
 changed after its check is evicted and fetched again; a store object that differs from
 dataset.json is an error naming both; a killed `vitforge shard` leaves no staging files behind

@@ -1,5 +1,5 @@
-"""Straggler detection and profiler windows (issue 23): one real 2-rank run (DeepSpeed ZeRO-2, gloo on
-the CPU) in which rank 1's loader is slowed on purpose and steps 3-4 are profiled."""
+"""Straggler detection and profiler windows: one real 2-rank run (DeepSpeed ZeRO-2, gloo on the
+CPU) in which rank 1's loader is slowed on purpose and steps 3-4 are profiled."""
 
 from __future__ import annotations
 
@@ -8,13 +8,9 @@ import re
 import socket
 import textwrap
 
-import torch
-
 import pytest
 
 from common.cli import train, vitforge
-from vitforge.core import open_store
-from vitforge.trainer.profiling import profile_window
 
 # Test equipment, not product code: imported at start-up by every process that has tmp_path first on
 # PYTHONPATH; in rank 1 the torch loader backend sleeps before handing over each batch, as a slow
@@ -67,11 +63,3 @@ def test_a_bad_profile_window_is_a_usage_error_naming_it():
         result = vitforge("train", "tiny_cpu", "--profile", window, check=False)
         assert result.returncode == 2
         assert f"argument --profile: '{window}': expected steps FIRST:LAST with 1 <= FIRST <= LAST" in result.stderr
-
-
-def test_no_window_builds_no_profiler(tmp_path):
-    store = open_store(str(tmp_path))
-    assert profile_window(None, 100, 0, torch.device("cpu"), store) is None
-    assert profile_window((101, 105), 100, 0, torch.device("cpu"), store) is None  # after this invocation's end
-    window = profile_window((90, 105), 100, 0, torch.device("cpu"), store)
-    assert (window.next_at, window.last, window.profiler) == (89, 100, None)

@@ -1,4 +1,4 @@
-"""The frozen-representation probes during training (issue 22): real DeepSpeed ZeRO-3 across 2
+"""The frozen-representation probes during training: real DeepSpeed ZeRO-3 across 2
 processes (gloo on CPU), preempted with SIGUSR1 between two evaluations and resumed. (On a checkpoint
 alone, at another world size: tests/integration/test_masked_patches.py.)"""
 

@@ -65,7 +65,7 @@ def test_tf32_is_a_cuda_setting_only():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="TF32 flags take effect on a CUDA device only")
-def test_tf32_on_cuda():
+def test_tf32_turns_on_and_off_on_cuda():
     set_tf32(torch.device("cuda"), True)
     assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
     set_tf32(torch.device("cuda"), False)

@@ -76,7 +76,7 @@ def _worst_window(sources: np.ndarray, weights) -> float:
 
 
 def test_the_schedule_holds_any_weights_within_the_bound_in_every_window():
-    """The counts alone, for the issue's weights over 5,000 samples and 40 other mixtures, world
+    """The counts alone, for WEIGHTS (0.6/0.3/0.1) over 5,000 samples and 40 other mixtures, world
     sizes and batch sizes (the worst seen: 3.5, with 5 sources at 16 ranks x 128)."""
     rng = np.random.default_rng(0)
     cases = [(WEIGHTS, 1, BATCH, SAMPLES), (WEIGHTS, 2, BATCH, SAMPLES)]

@@ -20,7 +20,7 @@ from common.checks import dataset_samples
 from common.cli import vitforge
 from common.faulty_proxy import FaultSchedule, start_proxy
 from vitforge.core import CheckpointError
-from vitforge.pipeline import IGNORE_LABEL, LoaderSpec, build_loader, choose_backend
+from vitforge.pipeline import IGNORE_LABEL, LoaderSpec, build_loader
 from vitforge.synthetic import class_image, jpeg_bytes
 
 BACKENDS = ["torch", "dali-cpu"]
@@ -296,88 +296,6 @@ def test_reads_shards_from_s3_whole_through_the_node_cache(dataset, truth, s3_se
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(rewritten, expected))
 
 
-def test_synthetic_and_auto():
-    loader = build_loader(LoaderSpec("unused", batch_size=4, image_size=16, backend="synthetic"),
-                          synthetic_samples=20, synthetic_classes=7)
-    batches = list(loader)
-    assert len(batches) == 5 and batches[0]["image"].shape == (4, 3, 16, 16)
-    assert batches[0]["label"].max() < 7
-    assert choose_backend(LoaderSpec("x", batch_size=1), torch.device("cpu"))[0] == "dali-cpu"
-
-
-def test_bad_spec_values_are_named():
-    for kwargs, word in [({"backend": "nope"}, "backend"), ({"batch_size": 0}, "batch_size"),
-                         ({"epoch_end": "wrap"}, "epoch_end"), ({"scale": (0.5, 0.1)}, "scale")]:
-        with pytest.raises(ValueError, match=word):
-            LoaderSpec("x", **{"batch_size": 1, **kwargs})
-
-
-def test_an_unknown_backend_is_refused_naming_the_registered_ones():
-    from vitforge.pipeline import backend_names, find_backend
-    from vitforge.trainer import ConfigError, load_config
-
-    known = "(dali, dali-cpu, synthetic, torch)"
-    assert backend_names() == ["dali", "dali-cpu", "synthetic", "torch"]
-    for refuse in (lambda: LoaderSpec("x", batch_size=1, backend="dalli"), lambda: find_backend("dalli"),
-                   lambda: load_config("tiny_cpu", ["data.backend=dalli"])):
-        with pytest.raises(ValueError, match=r"backend must be auto or a registered loader backend") as caught:
-            refuse()
-        assert known in str(caught.value) and "'dalli'" in str(caught.value)
-    with pytest.raises(ConfigError, match=r"^.*tiny_cpu.yaml: data.backend: "):
-        load_config("tiny_cpu", ["data.backend=dalli"])
-
-
-def test_a_backend_registered_by_name_is_built_by_the_loader(monkeypatch):
-    from vitforge.core import UsageError
-    from vitforge.pipeline import backend as registry
-    from vitforge.pipeline import backend_names, register_backend
-
-    with pytest.raises(UsageError, match="already registered"):
-        register_backend("torch")(lambda *args: None)
-    with pytest.raises(UsageError, match="cannot be one"):
-        register_backend("auto")(lambda *args: None)
-    monkeypatch.setattr(registry, "_backends", dict(registry._backends))  # the registration ends with the test
-    built = []
-
-    @register_backend("ones", reads_dataset=False)
-    def ones(spec, index, device, num_classes):
-        backend = registry.SyntheticBackend(spec, num_classes, device)
-        backend.name, backend.images = "ones", torch.ones_like(backend.images)
-        built.append((index, num_classes))
-        return backend
-
-    assert "ones" in backend_names()
-    loader = build_loader(LoaderSpec("unused", batch_size=2, image_size=8, backend="ones"), synthetic_samples=6,
-                          synthetic_classes=3)
-    assert [b["image"].sum().item() for b in loader] == [2 * 3 * 8 * 8] * 3 and built == [(None, 3)]
-    assert loader.stats()["backend"] == "ones"
-
-
-def test_the_trainer_config_embeds_the_loader_settings_declared_once():
-    """data.* keys are LoaderSettings' fields (type, default, bounds, doc), plus the data sets;
-    LoaderSpec.of carries every one of them into the loader."""
-    from vitforge.pipeline import LoaderSettings
-    from vitforge.trainer import load_config
-    from vitforge.trainer.config import DataConfig
-
-    assert set(DataConfig.model_fields) == set(LoaderSettings.model_fields) | {"train", "val"}
-    for schema in (DataConfig, LoaderSpec):
-        for name, field in LoaderSettings.model_fields.items():
-            mine = schema.model_fields[name]
-            assert (mine.annotation, mine.default, mine.metadata, mine.description) == \
-                (field.annotation, field.default, field.metadata, field.description), (schema, name)
-            assert field.description, name  # documented (docs/CONFIG.md is generated from it)
-    overrides = ["data.train=/x", "data.workers=3", "data.prefetch=5", "data.overlap=off", "data.subset=0.5",
-                 "data.seed=7", "data.partitions=4", "data.cache_dir=/c", "data.cache_gb=1.5",
-                 "data.read_block_mb=2", "data.shards_ahead=0", "data.backend=torch"]
-    data = load_config("tiny_cpu", overrides).data
-    made = LoaderSpec.of(data, "/x", batch_size=4)
-    assert {n: getattr(made, n) for n in LoaderSettings.model_fields} == \
-        {n: getattr(data, n) for n in LoaderSettings.model_fields}
-    assert (made.workers, made.overlap, made.subset, made.cache_gb) == (3, "off", 0.5, 1.5)
-    assert LoaderSpec.of(data, "/x", batch_size=4, subset=None).subset is None  # a call overrides a setting
-
-
 def test_every_backend_yields_the_same_batch_keys(dataset):
     from vitforge.pipeline import Backend, Batch
 
@@ -404,7 +322,7 @@ def test_torch_worker_processes_keep_the_order(dataset):
     assert all(torch.equal(a, b) for (_, _, a), (_, _, b) in zip(single, multi))
 
 
-def test_loader_bench_cli(dataset):
+def test_loader_bench_reports_its_throughput_and_refuses_a_missing_dataset(dataset):
     result = vitforge("loader-bench", dataset, "--backend", "auto", "--batch", "8", "--steps", "20",
                       "--image-size", "32", "--workers", "1")
     assert "dali-cpu (chosen by auto) on cpu:" in result.stdout
@@ -698,21 +616,6 @@ def test_a_full_cache_removes_what_the_order_needs_last_and_a_dead_fetch_leaves_
     assert not [e.name for e in files if e.name.endswith(".partial")]
     assert sum(e.stat().st_size for e in files) <= options["cache_gb"] * 1e9
     assert "going over it" not in caplog.text
-
-
-def test_randaugment_plans_are_deterministic_per_position_and_uniform_over_operations():
-    from vitforge.pipeline import randaugment
-
-    positions = np.arange(20000)
-    ops, negate = randaugment.plan(1, 0, positions, 2)
-    assert ops.shape == negate.shape == (20000, 2)
-    counts = np.bincount(ops.ravel(), minlength=len(randaugment.OPS)) / ops.size
-    assert np.allclose(counts, 1 / len(randaugment.OPS), atol=0.005) and abs(negate.mean() - 0.5) < 0.01
-    again = randaugment.plan(1, 0, positions[100:200], 2)
-    assert np.array_equal(again[0], ops[100:200]) and np.array_equal(again[1], negate[100:200])
-    assert not np.array_equal(randaugment.plan(1, 1, positions[:100], 2)[0], ops[:100])  # another epoch
-    assert randaugment.magnitude("rotate", 30) == 30 and randaugment.magnitude("posterize", 0) == 8
-    assert randaugment.magnitude("solarize", 30) == 0 and randaugment.magnitude("shear_x", 15) == pytest.approx(0.15)
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
-"""Weights moved tensor by tensor (fine-tune init, eval) and every collective on the engine's device
-(issue 18): real DeepSpeed ZeRO 1-3 on 2 gloo CPU processes.
+"""Weights moved tensor by tensor (fine-tune init, eval) and every collective on the engine's device:
+real DeepSpeed ZeRO 1-3 on 2 gloo CPU processes.
 
 The GPU rule cannot run here, so it is faked, and named so: FakeAccelerator stands in for a GPU
 (tensors made on, or moved to, its device hold their data on the CPU but report another device,

@@ -191,7 +191,7 @@ def test_download_hashes_what_it_wrote(backend, tmp_path):
     assert open(copy, "rb").read() == data
 
 
-def test_listing_a_small_tree(backend):
+def test_listings_are_sorted_per_folder_and_never_show_a_writers_temporary(backend):
     store = backend.open()
     tree = {"a/1.bin": 1, "a/2.bin": 2, "a/sub/3.bin": 3, "b.bin": 4, "c/deep/er/5.bin": 5}
     for name, size in tree.items():
@@ -219,7 +219,7 @@ def test_listing_a_small_tree(backend):
         os.unlink(temporary)
 
 
-def test_delete_and_stat(backend):
+def test_stat_gives_each_write_a_new_version_and_delete_ignores_absent_names(backend):
     store = backend.open()
     store.put_bytes("s/one", b"12345")
     store.put_bytes("s/two", b"x")

@@ -82,7 +82,7 @@ def test_every_zoo_item_is_normalised_or_rejected_with_its_reason(zoo, tmp_path)
     assert vitforge("shard", "verify", out).returncode == 0
 
 
-def test_format_jpeg_and_max_side(zoo, tmp_path):
+def test_format_jpeg_and_max_side_reencode_and_shrink_every_image(zoo, tmp_path):
     src, _ = zoo
     big = src / "zoo" / "big.png"
     Image.fromarray(good_pixels(1, (900, 300))).save(big)
@@ -166,7 +166,7 @@ def test_broken_jsonl_names_the_line(tmp_path):
     assert result.returncode == 2 and "bad.jsonl:2: not valid JSON" in result.stderr
 
 
-def test_class_map_from_another_dataset(tmp_path, small_corpus):
+def test_classes_from_another_dataset_keep_its_ids_and_count_absent_ones_as_zero(tmp_path, small_corpus):
     train = tmp_path / "train"
     vitforge("shard", small_corpus, train, "--workers", "1")
     val_src = tmp_path / "val"

@@ -1,4 +1,4 @@
-"""The frozen-representation evaluators (issue 22): the closed-form ridge probe in both forms
+"""The frozen-representation evaluators (trainer/probe.py): the closed-form ridge probe in both forms
 against numpy's least squares, the regulariser's choice, few-shot and kNN accuracy on problems
 whose answer is known, and the shots' draw."""
 
@@ -130,71 +130,6 @@ def test_knn_on_a_separable_problem_and_its_bad_inputs():
         knn_top1(x[:0], y[:0], test_x, test_y, 8)
     with pytest.raises(ProbeError, match="no training rows"):
         linear_probe(x[:0], y[:0], test_x, test_y, 8)
-
-
-@pytest.mark.parametrize("objective, pre_logits", [("classification", False), ("classification", True),
-                                                   ("masked_patch_prediction", False)])
-def test_each_objective_gives_the_pre_logits_of_the_model_it_exports(objective, pre_logits):
-    """The features a probe reads: the exported ViT's pooled token (forward_head(pre_logits=True)),
-    through the paper's tanh layer when the model has its pre-training head; the same with the
-    weights handed in instead of the module's own (EMA)."""
-    from vitforge.trainer import build_model, get_objective
-
-    torch.manual_seed(0)
-    model = build_model("vit_tiny_cpu", 7, 32, pre_logits=pre_logits, objective=objective).eval()
-    images = torch.randn(3, 3, 32, 32)
-    vit = get_objective(objective).exported(model)
-    want = vit.forward_head(vit.forward_features(images), pre_logits=True)
-    if pre_logits:
-        want = torch.tanh(vit.head.pre_logits(want))
-    features = get_objective(objective).features
-    torch.testing.assert_close(features(model, images, None), want)
-    halved = {k: v.detach() / 2 for k, v in model.named_parameters()}
-    assert not torch.allclose(features(model, images, halved), want)
-    with torch.no_grad():
-        for p in model.parameters():
-            p /= 2
-    torch.testing.assert_close(features(model, images, halved), features(model, images, None))
-
-
-def test_ema_weights_reach_a_bf16_model_in_its_own_dtype():
-    """DeepSpeed's bf16 module with the EMA's fp32 weights: cast to the module's dtypes, the probe's
-    forward pass runs (fp32 weights on bf16 inputs would fail in the first convolution)."""
-    from vitforge.trainer import build_model, get_objective
-    from vitforge.trainer.ema import like_parameters
-
-    model = build_model("vit_tiny_cpu", 7, 32).to(torch.bfloat16).eval()
-    ema = {k: v.detach().float() for k, v in model.named_parameters()}
-    images = torch.randn(2, 3, 32, 32, dtype=torch.bfloat16)
-    features = get_objective("classification").features
-    with pytest.raises(RuntimeError):
-        features(model, images, ema)
-    torch.testing.assert_close(features(model, images, like_parameters(ema, model)), features(model, images, None))
-
-
-def test_probe_datasets_are_checked_when_the_run_starts(data, tmp_path):
-    """A missing split, too few images of a class for the shots (dataset.json's class counts) and
-    mismatched classes are errors naming the probe and the split, before any training step."""
-    import re
-
-    from vitforge.pipeline import LoaderSpec, build_loader
-    from vitforge.trainer import ConfigError
-    from vitforge.trainer.config import EvalConfig
-    from vitforge.trainer.probe_eval import build_probes
-
-    def make(source):
-        return build_loader(LoaderSpec(source, batch_size=8, image_size=32, train=False, backend="torch", workers=0))
-
-    def probes(test, **settings):
-        return EvalConfig(probes={"digits": {"train": str(data / "train"), "test": str(test)}}, **settings)
-
-    nowhere = tmp_path / "nowhere"
-    with pytest.raises(ConfigError, match=re.escape(f"eval.probes.digits.test ({nowhere}): ")):
-        build_probes(probes(nowhere, fewshot=[5]), make)
-    with pytest.raises(ConfigError, match=r"eval.probes.digits.train: 10 class\(es\) have fewer than 50 images"):
-        build_probes(probes(data / "val", fewshot=[5, 50]), make)  # 40 images per class
-    built = build_probes(probes(data / "val", fewshot=[50], allow_fewer=True), make)
-    assert [(p.name, p.num_classes, len(p.classes)) for p in built] == [("digits", 10, 10)]
 
 
 def test_the_product_with_the_signed_targets_is_the_dense_one():

@@ -1,5 +1,7 @@
-"""The tar writer's background hashing and writing: the bytes, the digest and the index stay those of a
-plain sequential writer, across many hand-overs, and a failing file stops it with the file's error."""
+"""The tar writer (shards/tarfile_writer.py): what it writes reads back with tarfile, member by
+member, its headers are tarfile's own, and the DALI index points at each member's data; its background
+hashing and writing keep the bytes, the digest and the index those of a plain sequential writer,
+across many hand-overs, and a failing file stops it with the file's error."""
 
 from __future__ import annotations
 
@@ -10,8 +12,53 @@ import tarfile
 import threading
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from vitforge.shards.tarfile_writer import BATCH_BYTES, TarShardWriter, _header
+from vitforge.shards.tarfile_writer import BATCH_BYTES, FIXED_MTIME, TarShardWriter, _header, index_path_for
+
+keys = st.text("0123456789abcdefghij_-", min_size=1, max_size=20)
+member_data = st.binary(max_size=3000)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(keys, member_data, member_data), min_size=1, max_size=8, unique_by=lambda t: t[0]))
+def test_written_tar_reads_back_and_index_points_at_the_data(samples):
+    out = io.BytesIO()
+    writer = TarShardWriter(out)
+    for key, image, label in samples:
+        writer.write({"__key__": key, "jpg": image, "cls": label})
+    writer.close()
+    data = out.getvalue()
+    assert len(data) % 10240 == 0 and writer.offset == len(data)
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        members = [(m.name, tar.extractfile(m).read(), m.mtime) for m in tar]
+    assert members == [(f"{k}.{e}", d, FIXED_MTIME) for k, i, c in samples for e, d in (("jpg", i), ("cls", c))]
+    lines = writer.dali_index().decode().splitlines()
+    assert lines[0] == f"v1.2 {len(samples)}"
+    for line, (key, image, label) in zip(lines[1:], samples):
+        fields = line.split(" ")
+        for (ext, offset, size, name), expected in zip(zip(*[iter(fields)] * 4), (image, label)):
+            assert name.startswith(key + ".") and ext == name.split(".", 1)[1]
+            assert data[int(offset):int(offset) + int(size)] == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text("abcdefghijklmnopqrstuvwxyz0123456789._-", min_size=1, max_size=100), st.integers(0, 8**11 - 1))
+def test_header_template_equals_tarfile(name, size):
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode, info.uid, info.gid, info.uname, info.gname = size, FIXED_MTIME, 0o644, 0, 0, "", ""
+    assert _header(name, size) == info.tobuf(format=tarfile.USTAR_FORMAT)
+
+
+def test_key_with_dot_is_refused():
+    with pytest.raises(ValueError, match="'a.b'"):
+        TarShardWriter(io.BytesIO()).write({"__key__": "a.b", "jpg": b""})
+
+
+def test_index_name_follows_wds2idx():
+    assert index_path_for("train-000001.tar") == "train-000001.idx"
+    assert index_path_for("a/b.c/train-000001.tar") == "a/b.c/train-000001.idx"
 
 
 def sequential_tar(samples: list[dict]) -> bytes:

@@ -1,8 +1,8 @@
-"""The trainer's seams: the objective registry (loud on unknown names, open to a new objective) and
-the checkpointer's named state parts (a part added to the dict is saved and restored).
+"""The checkpointer's named state parts (trainer/state.py): a part added to the dict is saved and
+restored, per rank or shared, and a part an older checkpoint lacks starts fresh.
 
-The part test is one real DeepSpeed process (gloo on CPU) saving to and restoring from a local run
-folder, run as this file's script (`python tests/unit/test_state_parts.py RUN_URL OUT`)."""
+The test is one real DeepSpeed process (gloo on CPU) saving to and restoring from a local run
+folder, run as this file's script (`python tests/unit/test_trainer_state.py RUN_URL OUT`)."""
 
 from __future__ import annotations
 
@@ -14,35 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from vitforge.trainer import OBJECTIVES, ConfigError, build_model, get_objective, load_config, register_objective
-
-
-def test_an_unknown_objective_names_the_known_ones():
-    with pytest.raises(ConfigError, match=r"unknown objective 'contrastive' \(known: classification, "
-                                          r"masked_patch_prediction\)"):
-        get_objective("contrastive")
-    with pytest.raises(ConfigError, match="train.objective: unknown objective 'contrastive'"):
-        load_config("tiny_cpu", ["data.train=synthetic", "train.objective=contrastive"])
-    with pytest.raises(ValueError, match="'classification' is registered already"):
-        register_objective(OBJECTIVES["classification"])
-
-
-def test_a_registered_objective_is_a_valid_config_and_builds_its_own_model():
-    from dataclasses import replace
-
-    import torch
-
-    def encoder_only(make_vit, num_classes, pre_logits):
-        return make_vit(0)
-
-    register_objective(replace(OBJECTIVES["classification"], name="features", build=encoder_only, labelled=False))
-    try:
-        assert load_config("tiny_cpu", ["data.train=synthetic", "train.objective=features"]).train.objective == \
-            "features"
-        model = build_model("vit_tiny_cpu", 10, 32, objective="features")
-        assert model(torch.zeros(1, 3, 32, 32)).shape == (1, 64)  # the pooled features, no class head
-    finally:
-        del OBJECTIVES["features"]
+from vitforge.trainer import build_model, load_config
 
 
 @pytest.mark.slow

@@ -1,13 +1,22 @@
-"""Bad arguments and configuration files, CLI by CLI: each is exit 2 (or the documented code) and
+"""The `vitforge` command (vitforge/cli.py): one version string in the package metadata and the CLI,
+and bad arguments and configuration files, CLI by CLI: each is exit 2 (or the documented code) and
 a message that names the argument, key or file, never a traceback and never a run that goes on."""
 
 from __future__ import annotations
 
 import signal
+from importlib.metadata import version
 
 import pytest
 
+from common.cli import vitforge
 from vitforge.cli import main
+from vitforge.core import __version__
+
+
+def test_one_version_string_in_the_package_metadata_and_the_cli():
+    assert version("vitforge") == __version__  # pyproject.toml reads it from vitforge.core
+    assert vitforge("--version").stdout.strip() == f"vitforge {__version__}"
 
 
 @pytest.fixture(scope="module")

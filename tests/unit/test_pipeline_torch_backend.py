@@ -1,4 +1,4 @@
-"""The torch backend's CPU path (issue 21): train crops resized from the window alone, as
+"""The torch backend's CPU path (pipeline/torch_backend.py): train crops resized from the window alone, as
 torchvision's crop-then-resize does; uint8 planes from the workers, normalised by the consumer."""
 
 from __future__ import annotations

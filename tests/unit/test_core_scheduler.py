@@ -1,14 +1,10 @@
-"""The scheduler table (vitforge.core.scheduler): each environment's row, its order, bad values naming
-their variable, and the light imports a login node relies on. Pure environment dicts: no processes."""
-
-import socket
-import subprocess
-import sys
+"""The scheduler table (core/scheduler.py): each environment's row, its order, and bad values naming
+their variable. Pure environment dicts: no processes. (That it imports no torch, which a login node
+relies on, is test_architecture.py's.)"""
 
 import pytest
 
-from vitforge.core import SCHEDULERS, UsageError, first_host, free_port, scheduler_env
-from vitforge.core.scheduler import SLURM_PORT_BASE
+from vitforge.core import SCHEDULERS, UsageError, first_host, scheduler_env
 
 SRUN = {"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1", "SLURM_JOB_NODELIST": "dgx[003-004]",
         "SLURM_JOB_ID": "123456", "SLURM_TASKS_PER_NODE": "8(x2)", "SLURM_RESTART_COUNT": "2"}
@@ -79,53 +75,3 @@ def test_bad_values_name_their_variable(env, message):
 def test_first_host():
     assert first_host("gpu[07-09,12],cpu1") == "gpu07"
     assert first_host("node5,node6") == "node5"
-
-
-@pytest.mark.parametrize("module", ["vitforge.cluster.render", "vitforge.cluster.launcher", "vitforge.core.scheduler"])
-def test_light_modules_import_no_torch(module):
-    """A login node renders and submits scripts, and a sharding task reads its array index, without torch."""
-    code = f"import sys, {module}; print('torch' in sys.modules)"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert result.stdout.strip() == "False"
-
-
-def test_process_rank_never_fails_logging(monkeypatch):
-    """A bad variable is reported by what reads the place (the trainer, the lease); the logs still work."""
-    from vitforge.core import process_rank
-
-    monkeypatch.setenv("RANK", "3")
-    monkeypatch.setenv("WORLD_SIZE", "4")
-    assert process_rank() == 3
-    monkeypatch.setenv("RANK", "three")
-    assert process_rank() == 0
-
-
-def test_launcher_registry_and_the_slurm_launcher():
-    from vitforge.cluster import LAUNCHERS, SlurmLauncher, get_launcher, load_spec, render
-    from vitforge.cluster.render import render_merge, render_shard_array
-
-    assert sorted(LAUNCHERS) == ["slurm"] and isinstance(get_launcher(), SlurmLauncher)
-    with pytest.raises(UsageError, match="unknown launcher 'k8s'; known: slurm"):
-        get_launcher("k8s")
-    slurm = get_launcher("slurm")
-    assert slurm.parse_job("1234_7") == "1234_7" and slurm.parse_job("1234+1") == "1234+1"
-    with pytest.raises(ValueError, match=r"'12a' is not a SLURM job id \(e.g. 1234 or 1234_7\)"):
-        slurm.parse_job("12a")
-    train = load_spec("tiny_cpu", [])
-    assert [tuple(s) for s in slurm.scripts(train)] == \
-        [(f"{train.name}.sbatch", render(train), "job", f"{train.name}-{{job}}.out")]
-    shard = load_spec("imagenet21k_shard", [])
-    array, merge = slurm.scripts(shard, [1, 3])
-    assert (array.text, array.kind, merge.text, merge.kind) == \
-        (render_shard_array(shard, [1, 3]), "job array", render_merge(shard), "merge job")
-
-
-def test_a_free_port_is_below_the_ephemeral_range_and_the_slurm_jobs_ports():
-    # A server's port must be neither one an outgoing connection may take (the ephemeral range) nor
-    # one a SLURM job on this host binds from its id without asking (SLURM_PORT_BASE up).
-    ephemeral = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
-    ports = {free_port() for _ in range(200)}
-    assert all(10000 <= port < min(ephemeral, SLURM_PORT_BASE) for port in ports), sorted(ports)
-    assert len(ports) > 150  # at random, not one port handed to every test worker
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", ports.pop()))  # free when handed out

@@ -11,7 +11,6 @@ import pytest
 
 from vitforge.core import atomic_write, create_file, files
 from vitforge.core.files import make_folder, replace_into
-from vitforge.core.store import discard_stale
 
 
 def test_a_file_is_created_in_a_folder_removed_before_it_with_its_parent(tmp_path):
@@ -63,7 +62,3 @@ def test_a_stale_nfs_handle_is_a_folder_gone_too(tmp_path, monkeypatch):
                         raising=False)
     with pytest.raises(PermissionError):  # any other error is the writer's to see, at once
         create_file(str(tmp_path / "b.bin"))
-
-
-def test_stale_temporaries_of_a_removed_work_folder_are_none(tmp_path):
-    assert discard_stale(str(tmp_path / "gone"), {"shard-000000.tar"}) == 0

@@ -1,5 +1,6 @@
-"""`vitforge plan` at paper scale: communication per ZeRO stage, restart time and host memory, each
-against a hand calculation with small round numbers, then the paper's setup end to end."""
+"""`vitforge plan`'s figures (cluster/planner.py), each formula against a hand calculation with small
+round numbers: throughput, checkpoint size and interval, communication per ZeRO stage, restart time
+and host memory; then the figures together, the report, and the ViT paper's own setups end to end."""
 
 from __future__ import annotations
 
@@ -8,10 +9,65 @@ import math
 import pytest
 
 from vitforge.cluster import PlanInput, plan, report
-from vitforge.cluster.planner import (ModelFacts, accumulation, comm_bandwidth, comm_bytes_per_rank, exposed_seconds,
-                                   host_bytes_per_rank, intervals_within, lost_fraction, node_read_bandwidth,
-                                   restart_seconds, restore_bytes_per_node, ring_collectives, ring_latency)
+from vitforge.cluster.planner import (ModelFacts, accumulation, checkpoint_bytes_per_rank, comm_bandwidth,
+                                   comm_bytes_per_rank, exposed_seconds, host_bytes_per_rank, intervals_within,
+                                   lost_fraction, node_read_bandwidth, restart_seconds, restore_bytes_per_node,
+                                   ring_collectives, ring_latency, throughput, write_seconds, young_daly_interval)
 from vitforge.core import UsageError
+
+
+def test_throughput_is_mfu_times_peak_over_flops():
+    assert throughput(1e12, 989e12, 0.5) == pytest.approx(494.5)
+
+
+def test_checkpoint_bytes_per_zero_stage():
+    # 1e9 parameters, 8 ranks: weights 2 GB (bf16), optimizer 12 GB (fp32 master + Adam m, v).
+    assert checkpoint_bytes_per_rank(10**9, 0, 8) == (14e9, 14e9)
+    assert checkpoint_bytes_per_rank(10**9, 1, 8) == (2e9 + 1.5e9, 14e9)
+    assert checkpoint_bytes_per_rank(10**9, 2, 8) == (3.5e9, 14e9)
+    assert checkpoint_bytes_per_rank(10**9, 3, 8) == (1.75e9, 14e9)
+    assert write_seconds(3.5e9, 14e9, 1e9, 10e9) == 3.5  # the busiest rank is slower than the store
+    assert write_seconds(1.75e9, 14e9, 1e9, 2e9) == 7.0  # the store is the limit
+
+
+def test_young_daly_interval_and_the_target_window():
+    checkpoint_s, mtbf_s = 60.0, 36_000.0
+    tau = young_daly_interval(checkpoint_s, mtbf_s)
+    assert tau == pytest.approx(math.sqrt(2 * 60 * 36_000)) == pytest.approx(2078.46, abs=0.01)
+    # At Young's interval both terms are equal: sqrt(2C/M) in all.
+    assert lost_fraction(tau, checkpoint_s, mtbf_s) == pytest.approx(2 * 60 / 2078.46, rel=1e-4)
+    low, high = intervals_within(0.1, checkpoint_s, mtbf_s)
+    assert (low, high) == (pytest.approx(660.6, abs=0.1), pytest.approx(6539.4, abs=0.1))
+    assert lost_fraction(low, checkpoint_s, mtbf_s) == pytest.approx(0.1)
+    assert lost_fraction(high, checkpoint_s, mtbf_s) == pytest.approx(0.1)
+    assert intervals_within(0.05, checkpoint_s, mtbf_s) is None  # Young's interval already loses 5.8%
+
+
+def test_plan_figures_agree_with_each_other():
+    inputs = PlanInput(model="vit_base_patch16_224", dataset_images=1_000_000, epochs=10, nodes=2, gpus_per_node=4,
+                       device="A100", mfu=0.5, mean_image_bytes=100_000, shard_bytes=10**9,
+                       read_block_bytes=8 << 20, node_mtbf_hours=1000)
+    result = plan(inputs)
+    per_gpu = 0.5 * 312e12 / result["flops_per_image"]
+    assert result["images_per_s_per_gpu"] == pytest.approx(per_gpu)
+    assert result["images_per_s"] == pytest.approx(8 * per_gpu)
+    assert result["epoch_hours"] == pytest.approx(1e6 / (8 * per_gpu) / 3600)
+    assert result["gpu_hours"] == pytest.approx(10 * result["epoch_hours"] * 8)
+    assert result["decode_cores_per_node_cpu"] == pytest.approx(4 * per_gpu * PlanInput().cpu_decode_ms / 1000)
+    assert result["shards"] == 100 and result["shard_images"] == 10_000
+    # Each node's ranks read adjacent partitions: half the shards plus the one cut in two at the seam.
+    assert result["egress_bytes_per_node_per_epoch"] == 51 * 10**9
+    assert result["store_gets_per_s"] == pytest.approx(8 * per_gpu * 100_000 / (8 << 20))
+    assert result["job_mtbf_hours"] == 500
+    assert abs(result["parameters"] - 86.57e6) / 86.57e6 < 0.01
+
+
+def test_vit_h14_on_jft_matches_the_papers_compute():
+    """The ViT paper reports 2.5k TPUv3-core-days for ViT-H/14 on JFT-300M (14 epochs)."""
+    result = plan(PlanInput(model="vit_huge_patch14_224", dataset_images=300_000_000, epochs=14, nodes=1,
+                            gpus_per_node=1, device="TPUv3-core", mfu=0.3))
+    core_days = result["gpu_hours"] / 24
+    assert 1250 < core_days < 5000, core_days
 
 
 def test_communication_bytes_per_stage():
