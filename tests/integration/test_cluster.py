@@ -14,6 +14,7 @@ import pytest
 
 from common.checks import SECRET, weights
 from common.cli import EXTENSIONS, REPO, vitforge
+from common.slow_loader import write_slow_loader
 from vitforge.cluster import load_spec, render
 from vitforge.cluster import slurm as slurm_commands
 from vitforge.cluster.slurm import parse_partitions
@@ -151,36 +152,50 @@ def _wait(job: str, states=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), time
     raise AssertionError(f"job {job} did not reach {states}: {_state(job)}")
 
 
-@pytest.mark.slow(seconds=600)
+# In the job's first allocation (no requeue yet) a step takes at least this long on any machine.
+FIRST_ALLOCATION_STEP_S = 1.0
+
+
+@pytest.mark.slow(seconds=200)
 def test_a_run_longer_than_its_time_limit_completes_across_requeues(data, slurm, s3_server, bucket, monkeypatch,
                                                                     tmp_path):
-    """A 3-minute limit with the pre-limit signal 90 s ahead, for a run that needs more than one
-    allocation: each one stops on SLURM's SIGUSR1 (sent 90-120 s into the job: slurmctld checks
-    limits every 30 s) or on the trainer's budget (90 s after its start-up), saves to S3 and
-    requeues itself; no allocation reaches the limit (TIMEOUT), and the run's metrics hold every
-    step once. One rank: what is proven is the time-limit loop (stopping together on a signal is
-    the demo's and the multi-host tests'). The budget is 90 s, not 30, because start-up on a
-    loaded 2-core machine (imports, DeepSpeed, the restore from S3) took nearly 30 s: with a 2-minute
-    limit, 30 allocations made fewer than 500 steps between them. (That a resumed run equals an
-    uninterrupted one is shown by the exact-resume tests.)"""
+    """A 2-minute limit with the pre-limit signal 30 s ahead, for a run that needs more than one
+    allocation: each one stops on SLURM's SIGUSR1 or on the trainer's budget (90 s after the
+    trainer starts), saves to S3 and requeues itself; no allocation reaches the limit (TIMEOUT),
+    and the run's metrics hold every step once. One rank: what is proven is the time-limit loop
+    (stopping together on a signal is the demo's and the multi-host tests'). slurmctld checks
+    limits every 30 s and sends the signal up to 30 s early: it comes 60-90 s into an allocation,
+    and the limit 60 s after it. (That a resumed run equals an uninterrupted one is shown by the
+    exact-resume tests.)"""
     for key, value in {**slurm, **s3_server["env"]}.items():
         monkeypatch.setenv(key, value)
-    # One rank at 128 px: a step is ~0.09 s on an idle 2-core machine (200 steps in 18 s), so the
-    # 90 s budget holds ~900 steps after start-up and 1,200 need a second allocation; a loaded
-    # machine (a step 3x slower, start-up 30 s) needs about five.
-    store, steps = f"s3://{bucket}/runs", 1200
-    job = _submit(data, tmp_path, "slurm_tl", "--set", "time=00:03:00", "--set", "signal_lead_s=90",
-                  "--set", "tasks_per_node=1", "--set", "max_requeues=30", steps=steps, store=store,
-                  extra=", model.image_size=128, train.checkpoint_every=200",
+    # The budget starts before the first step and a first allocation's step takes at least
+    # FIRST_ALLOCATION_STEP_S: 10 steps more than the budget holds cannot all be done in one
+    # allocation, however fast the machine. The rest take the second allocation ~0.1 s a step (one
+    # batch of 16 at 32 px, the recipe's size) once it has started up (20-55 s on a 2-core machine
+    # from idle to overloaded): 10 s at most, before a signal that comes 60 s in or later. Only a
+    # start-up slower than that needs a third allocation.
+    site = tmp_path / "site"
+    site.mkdir()
+    write_slow_loader(site, '"SLURM_JOB_ID" in os.environ and os.environ.get("SLURM_RESTART_COUNT", "0") == "0"',
+                      FIRST_ALLOCATION_STEP_S)
+    store, budget_s = f"s3://{bucket}/runs", 90
+    steps = int(budget_s / FIRST_ALLOCATION_STEP_S) + 10
+    job = _submit(data, tmp_path, "slurm_tl", "--set", "time=00:02:00", "--set", "signal_lead_s=30",
+                  "--set", "tasks_per_node=1", "--set", "max_requeues=4", "--set", f"env={{PYTHONPATH: {site}}}",
+                  steps=steps, store=store,
+                  extra=f", train.global_batch=16, train.micro_batch=16, train.checkpoint_every={steps}",
                   env={**s3_server["env"], "AWS_SECRET_ACCESS_KEY": SECRET})
-    final = _wait(job, timeout=1200)
+    script = (tmp_path / "slurm_tl.sbatch").read_text()
+    assert f"train.max_minutes={budget_s / 60:g}" in script  # the budget derived from the limit and the lead
+    final = _wait(job)
     text = vitforge("logs", job).stdout
     assert final["state"] == "COMPLETED" and final["restarts"] >= 1, (final, text[-3000:])
     stops = re.findall(r"stopped at step \d+ \((signal SIGUSR1|train.max_minutes reached)\)", text)
     assert len(stops) == final["restarts"] and text.count(f"resumed {store}/slurm_tl") == final["restarts"], \
         text[-3000:]
     assert "DUE TO TIME LIMIT" not in text  # no allocation ran into its limit
-    assert SECRET not in text and SECRET not in (tmp_path / "slurm_tl.sbatch").read_text()
+    assert SECRET not in text and SECRET not in script
     rows = [json.loads(line) for line in (tmp_path / "metrics" / "metrics.jsonl").read_text().splitlines()]
     trained = [(row["step"], row["loss"]) for row in rows if "loss" in row]  # a resume truncates what it replays
     assert [step for step, _ in trained] == list(range(1, steps + 1)) and all(math.isfinite(v) for _, v in trained)

@@ -6,34 +6,16 @@ from __future__ import annotations
 import json
 import re
 import socket
-import textwrap
 
 import pytest
 
 from common.cli import train, vitforge
-
-# Test equipment, not product code: imported at start-up by every process that has tmp_path first on
-# PYTHONPATH; in rank 1 the torch loader backend sleeps before handing over each batch, as a slow
-# disk or decoder would (inside the loader, where its data wait is counted).
-SLOW_RANK_1 = textwrap.dedent("""
-    import os
-    if os.environ.get("RANK") == "1":
-        import time
-        from vitforge.pipeline import torch_backend
-        batches = torch_backend.TorchBackend.batches
-
-        def slow(self, *args, **kwargs):
-            for batch in batches(self, *args, **kwargs):
-                time.sleep(0.15)
-                yield batch
-
-        torch_backend.TorchBackend.batches = slow
-""")
+from common.slow_loader import write_slow_loader
 
 
 @pytest.mark.slow
 def test_a_slow_rank_is_named_with_its_host_and_a_profiler_window_traces_its_steps(data, tmp_path):
-    (tmp_path / "sitecustomize.py").write_text(SLOW_RANK_1)
+    write_slow_loader(tmp_path, 'os.environ.get("RANK") == "1"', 0.15)  # rank 1 waits 0.15 s a batch
     result = train(data, "diagnostics", "train.steps=6", "train.log_every=1", "data.val=null", "checkpoint.save=false",
                    "train.straggler_every=2", "train.profile_steps=[3, 4]", env={"PYTHONPATH": str(tmp_path)})
     run = data / "runs" / "diagnostics"
