@@ -44,6 +44,7 @@ def main() -> int:
     p.add_argument("--image-size", type=int, default=64)
     p.add_argument("--saves", type=int, default=5)
     p.add_argument("--every", type=int, default=10, help="steps between checkpoints")
+    p.add_argument("--alone", type=int, default=20, help="steps timed alone, after 5 of warm-up")
     p.add_argument("--server-nice", type=int, default=19,
                    help="the S3 server's CPU priority (19: a remote store's stand-in; 0: as it comes)")
     p.add_argument("--upload-nice", type=int, default=None,
@@ -108,7 +109,7 @@ def run(args, work: str, server) -> int:
 
     for _ in range(5):
         step()
-    plain_steps = [step() for _ in range(20)]
+    plain_steps = [step() for _ in range(args.alone)]
     results = {"floor": [], "async": [], "sync": [], "upload_s": [], "busy_steps": [], "async_write": [],
                "sync_write": []}
     checkpointers = {mode: Checkpointer(f"s3://bench/{mode}", os.path.join(work, f"staging-{mode}"), keep_last=2,

@@ -37,7 +37,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.common import run_child  # noqa: E402
+from benchmarks.common import FORK_HELP, preload, run_child  # noqa: E402
+from benchmarks.loader_bench import loader_corpus  # noqa: E402
+
+# What the sides and the end-to-end run import: with --fork, imported once by the benchmark's own process.
+SIDE_MODULES = ("torch", "timm", "sklearn.linear_model", "vitforge.trainer.probe", "vitforge.trainer.probe_eval",
+                "vitforge.pipeline.loader", "vitforge.pipeline.torch_backend")
 
 RUNNER = r'''
 import json, resource, sys, time
@@ -87,7 +92,7 @@ import torch, torch.distributed as dist
 from vitforge.core import free_port
 from vitforge.pipeline import LoaderSpec, build_loader
 from vitforge.trainer import build_model, get_objective
-from vitforge.trainer.config import EvalConfig
+from vitforge.trainer.output_config import EvalConfig
 from vitforge.trainer.probe_eval import ProbeSet, gather_rows, probe_metrics, split_features
 
 shards, images, shots = sys.argv[1], int(sys.argv[2]), [int(k) for k in sys.argv[3].split(",")]
@@ -113,7 +118,7 @@ print(json.dumps({"seconds": total, "features": features, "solve": total - featu
 
 def run_side(side: str, args) -> dict:
     out = run_child([sys.executable, "-c", RUNNER, side, str(args.classes), str(args.shots), str(args.dim),
-                     str(args.test)], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+                     str(args.test)], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, fork=args.fork)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -127,7 +132,10 @@ def main() -> int:
     p.add_argument("--e2e-shots", default="1,5,10,25", help="the shots end to end (each class needs as many images)")
     p.add_argument("--work", default=str(REPO / "bench-out"), help="where loader_bench's corpus is (made if absent)")
     p.add_argument("--corpus-images", type=int, default=4000, help="JPEGs in that corpus, when it is made here")
+    p.add_argument("--fork", action="store_true", help=FORK_HELP)
     args = p.parse_args()
+    if args.fork:
+        preload(*SIDE_MODULES)
     print(f"few-shot probe: {args.classes} classes x {args.shots} shots = {args.classes * args.shots} rows of width "
           f"{args.dim}, {args.test} test rows, {os.cpu_count()} CPUs")
     sides = [("vitforge", "vitforge, one regulariser"), ("sklearn", "scikit-learn RidgeClassifier"),
@@ -144,26 +152,14 @@ def main() -> int:
     print(f"regulariser chosen: vitforge {grid:.2f}x the speed of RidgeClassifierCV (for comparison); "
           f"{results['vitforge-grid']['seconds']:.2f} s")
     if args.e2e_images:
-        shards = loader_corpus(Path(args.work), args.corpus_images)
+        shards = loader_corpus(Path(args.work), args.corpus_images, args.fork)
         out = run_child([sys.executable, "-c", END_TO_END, str(shards), str(args.e2e_images), args.e2e_shots], cwd=REPO,
-                        env={**os.environ, "PYTHONPATH": str(REPO)})
+                        env={**os.environ, "PYTHONPATH": str(REPO)}, fork=args.fork)
         e2e = json.loads(out.stdout.strip().splitlines()[-1])
         print(f"end to end, vit_tiny_cpu at 64 px, {args.e2e_images} images per split, 1 process: "
               f"{e2e['seconds']:.2f} s (features {e2e['features']:.2f} s, probes {e2e['solve']:.2f} s), peak RSS "
               f"{e2e['memory'] / 2**30:.2f} GiB; {', '.join(e2e['metrics'])}")
     return 0
-
-
-def loader_corpus(work: Path, images: int) -> Path:
-    """loader_bench's sharded corpus (4,000 JPEGs about 500x375 in 20 classes by default), made once."""
-    from benchmarks.shard_bench import make_corpus
-
-    shards = work / "loader-shards"
-    if not (shards / "dataset.json").exists():
-        make_corpus(work / "corpus", images)
-        run_child([sys.executable, "-m", "vitforge", "shard", str(work / "corpus"), str(shards),
-                   "--shard-bytes", "64MiB"], cwd=REPO)
-    return shards
 
 
 if __name__ == "__main__":

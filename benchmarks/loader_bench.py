@@ -57,7 +57,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.common import run_child  # noqa: E402
+from benchmarks.common import FORK_HELP, preload, run_child  # noqa: E402
+
+# What the sides import: with --fork, imported once by the benchmark's own process.
+SIDE_MODULES = ("torch", "torchvision", "webdataset", "simplejpeg", "nvidia.dali", "vitforge.pipeline.loader",
+                "vitforge.pipeline.torch_backend", "vitforge.pipeline.dali_backend")
 
 RUNNER = r'''
 import json, os, sys, time
@@ -122,12 +126,12 @@ import gc; gc.collect()
 
 
 def run_side(kind: str, shards: Path | str, batch: int, steps: int, workers: int, step_s: float = 0.0,
-             cache: dict | None = None, env: dict | None = None) -> dict:
+             cache: dict | None = None, env: dict | None = None, fork: bool = False) -> dict:
     """One process: wall seconds, CPU seconds of its whole tree, and the consumer's wait fraction."""
     before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
     out = run_child([sys.executable, "-c", RUNNER, kind, str(shards), str(batch), str(steps), str(workers),
                      str(step_s), json.dumps(cache or {})], cwd=REPO,
-                    env={**os.environ, **(env or {}), "PYTHONPATH": str(REPO)})
+                    env={**os.environ, **(env or {}), "PYTHONPATH": str(REPO)}, fork=fork)
     wall, after = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
     return {"wall": wall, "cpu": cpu, **json.loads(out.stdout.strip().splitlines()[-1])}
@@ -135,8 +139,8 @@ def run_side(kind: str, shards: Path | str, batch: int, steps: int, workers: int
 
 def steady_rates(kind: str, shards: Path | str, args, **side) -> dict:
     """images/s and images per CPU-second of a side between its short and its long run."""
-    short = run_side(kind, shards, args.batch, args.short, args.workers, **side)
-    long = run_side(kind, shards, args.batch, args.long, args.workers, **side)
+    short = run_side(kind, shards, args.batch, args.short, args.workers, fork=args.fork, **side)
+    long = run_side(kind, shards, args.batch, args.long, args.workers, fork=args.fork, **side)
     images = (args.long - args.short) * args.batch
     return {"images_per_s": images / (long["wall"] - short["wall"]),
             "images_per_cpu_s": images / (long["cpu"] - short["cpu"])}
@@ -180,6 +184,29 @@ def s3_sides(shards: Path, work: Path, args) -> None:
         server.stop()
 
 
+def mixture_rates(shards: Path, work: Path, args) -> dict:
+    """steady_rates of the torch backend over 3 sources at 0.6/0.3/0.1: the shards under 3 names."""
+    sources = []
+    for name, weight in (("a", 0.6), ("b", 0.3), ("c", 0.1)):
+        link = work / f"mixture-{name}"
+        if not link.exists():
+            link.symlink_to(shards.resolve(), target_is_directory=True)
+        sources.append([str(link), weight])
+    return steady_rates("torch", shards, args, cache={"mixture": sources})
+
+
+def loader_corpus(work: Path, images: int, fork: bool = False) -> Path:
+    """The sharded corpus (4,000 JPEGs about 500x375 in 20 classes by default), made once."""
+    from benchmarks.shard_bench import make_corpus
+
+    shards = work / "loader-shards"
+    if not (shards / "dataset.json").exists():
+        make_corpus(work / "corpus", images)
+        run_child([sys.executable, "-m", "vitforge", "shard", str(work / "corpus"), str(shards),
+                   "--shard-bytes", "64MiB"], cwd=REPO, fork=fork)
+    return shards
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--images", type=int, default=4000)
@@ -190,15 +217,14 @@ def main() -> int:
     p.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--s3", action="store_true", help="also read the shards from an S3 server on loopback: "
                    "cached, streamed in coalesced ranged GETs, and one GET per sample")
+    p.add_argument("--consumer-batches", type=int, default=40,
+                   help="batches of each consumer run (its wait counts those after the fifth)")
+    p.add_argument("--fork", action="store_true", help=FORK_HELP)
     args = p.parse_args()
-    from benchmarks.shard_bench import make_corpus
-
+    if args.fork:
+        preload(*SIDE_MODULES)
     work = Path(args.work)
-    make_corpus(work / "corpus", args.images)
-    shards = work / "loader-shards"
-    if not (shards / "dataset.json").exists():
-        run_child([sys.executable, "-m", "vitforge", "shard", str(work / "corpus"), str(shards),
-                   "--shard-bytes", "64MiB"], cwd=REPO)
+    shards = loader_corpus(work, args.images, args.fork)
     print(f"corpus: {args.images} JPEGs about 500x375 (106 KiB), batch {args.batch}, steady state = "
           f"{args.long} - {args.short} batches at 224 px, {args.workers} workers, {os.cpu_count()} CPUs; "
           "CPU = whole process tree")
@@ -215,13 +241,7 @@ def main() -> int:
           "(goal >= 2.0x (first bar 1.5x))")
     print(f"decode-only floor vs best CPU backend, per CPU-second: {per_cpu['floor'] / per_cpu[best]:.2f}x "
           "(goal <= 1.4x)")
-    sources = []
-    for name, weight in (("a", 0.6), ("b", 0.3), ("c", 0.1)):
-        link = work / f"mixture-{name}"
-        if not link.exists():
-            link.symlink_to(shards.resolve(), target_is_directory=True)
-        sources.append([str(link), weight])
-    rates["mixture"] = steady_rates("torch", shards, args, cache={"mixture": sources})
+    rates["mixture"] = mixture_rates(shards, work, args)
     print(f"{'vitforge torch, mixture 0.6/0.3/0.1':<36} {rates['mixture']['images_per_s']:8.0f} images/s "
           f"{rates['mixture']['images_per_cpu_s']:8.0f} images per CPU-second")
     print(f"mixture of 3 vs one source (torch), per CPU-second: "
@@ -234,7 +254,8 @@ def main() -> int:
         # A smoke-sized run's few extra batches can cost less than its start-up noise, so its steady
         # rate can come out negative: the consumer then does not sleep at all.
         step_s = max(0.0, 1.5 * args.batch / rates[kind]["images_per_s"])
-        wait = run_side(kind, shards, args.batch, 40, args.workers, step_s)["wait_fraction"]
+        wait = run_side(kind, shards, args.batch, args.consumer_batches, args.workers, step_s,
+                        fork=args.fork)["wait_fraction"]
         goal = "for comparison" if kind == "baseline" else "goal <= 5%"
         print(f"consumer at {1000 * step_s:.0f} ms per batch (1.5x {label}'s own time): data wait "
               f"{100 * wait:.1f}% ({goal})")

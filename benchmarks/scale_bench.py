@@ -31,7 +31,6 @@ import argparse
 import json
 import math
 import os
-import resource
 import sys
 import time
 from pathlib import Path
@@ -39,7 +38,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.common import run_child  # noqa: E402
+from benchmarks.common import FORK_HELP, preload, rss_mb, run_child  # noqa: E402
+from benchmarks.scale_url_list import array_plan_figures, prepare, step_bucket, step_share  # noqa: E402
 
 PAPER = {"samples": 300_000_000, "shards": 30_000, "ranks": 512, "ranks_per_node": 8}
 SHARD_SAMPLES = PAPER["samples"] // PAPER["shards"]
@@ -59,10 +59,6 @@ TARGETS = {  # step -> {figure: (limit, unit)} at the paper's scale, per rank
     # one tensor, and gloo's and Python's buffers (a few MB), under ViT-H/14's largest tensor.
     "weights": {"peak_mb": LARGEST_TENSOR_MB},
 }
-
-
-def rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def synthetic_dataset(folder: Path, scale: float) -> Path:
@@ -208,7 +204,7 @@ def step_plan(work: Path, scale: float) -> dict:
 def step_slice(work: Path, scale: float) -> dict:
     """Another task loads only the slice of its part (after step_plan wrote them)."""
     from vitforge.core import open_store
-    from vitforge.shards.plan import load_slice, read_header
+    from vitforge.shards.plan_slices import load_slice, read_header
 
     job, n, parts = _manifest_job(work, scale)
     store = open_store(job.dest)
@@ -228,83 +224,6 @@ def step_dedup(work: Path, scale: float) -> dict:
     duplicates = deduplicate(inputs, 8, read=lambda source: source.encode())
     return {"seconds": time.perf_counter() - start, "peak_mb": rss_mb() - before, "inputs": len(inputs),
             "duplicates": len(duplicates)}
-
-
-URL_LIST_ROWS = 400_000_000  # the issue's URL list, planned across an array of TASKS
-TASKS = 64
-
-
-def _url_list_job(work: Path, scale: float):
-    """A LAION-like Parquet URL list of scale x 400M rows (url, caption; one row group per task),
-    written by `prepare` (in a process of its own, so a step's peak is its own)."""
-    from vitforge.shards import ShardJob
-
-    n = max(TASKS, round(URL_LIST_ROWS * scale))
-    folder = work / f"url-list-{scale:g}"
-    return ShardJob(src=str(folder / "urls.parquet"), dest=str(folder / "shards"), shard_samples=10_000,
-                    shard_bytes=None, url_column="url", caption_column="caption", labels=False, num_parts=TASKS), n
-
-
-def prepare(step: str, work: Path, scale: float) -> None:
-    """What a step reads, made before it runs: the URL list; for `bucket`, every task's spill."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from vitforge.core import open_store
-    from vitforge.shards.array_plan import _spill, _unit
-    from vitforge.shards.layout import FIRST
-
-    job, n = _url_list_job(work, scale)
-    listing = Path(job.src)
-    listing.parent.mkdir(parents=True, exist_ok=True)
-    if not listing.exists():
-        with pq.ParquetWriter(listing, pa.schema([("url", pa.string()), ("caption", pa.string())])) as writer:
-            for start in range(0, n, n // TASKS):
-                ids = range(start, min(n, start + n // TASKS))
-                writer.write_table(pa.table({
-                    "url": [f"https://img{i % 997}.example.com/photos/{i:010d}/{i * 2654435761 % 2**32:08x}.jpg"
-                            for i in ids],
-                    "caption": [f"a photo of thing {i % 5003} in place {i % 127}" for i in ids]}),
-                    row_group_size=n // TASKS)
-    store = open_store(job.dest)
-    for share in range(TASKS if step == "bucket" else 0):
-        if not store.exists(_unit(FIRST, "spill", share)):
-            store.put_bytes(_unit(FIRST, "spill", share), _spill(job, store, FIRST, share, TASKS, [], False))
-
-
-def step_share(work: Path, scale: float) -> dict:
-    """Planning across a 64-task array, a task's own work: list its share of the URL list and spill
-    it (one row group here: 1/64 of the rows)."""
-    from vitforge.core import open_store
-    from vitforge.shards.array_plan import _spill
-    from vitforge.shards.layout import FIRST
-
-    __import__("pyarrow.parquet")  # its import is start-up, not the share's cost
-
-    job, n = _url_list_job(work, scale)
-    store = open_store(job.dest)
-    before, start = rss_mb(), time.perf_counter()
-    index = json.loads(_spill(job, store, FIRST, 0, TASKS, [], False))
-    return {"seconds": time.perf_counter() - start, "peak_mb": rss_mb() - before, "rows": index["inputs"]}
-
-
-def step_bucket(work: Path, scale: float) -> dict:
-    """Planning across the array, the second half: one bucket (BUCKET_INPUTS rows on average, so a
-    bucket costs the same at any scale past BUCKET_INPUTS) read from all 64 spills, sorted, cut and
-    written as a plan slice. The spills are made first, by `prepare`."""
-    from vitforge.core import open_store
-    from vitforge.shards.array_plan import _bucket, _read_index
-    from vitforge.shards.layout import FIRST
-    from vitforge.shards.plan import buckets_for
-
-    job, n = _url_list_job(work, scale)
-    store = open_store(job.dest)
-    buckets = buckets_for(n)
-    before, start = rss_mb(), time.perf_counter()
-    indexes = [_read_index(store, FIRST, share) for share in range(TASKS)]  # what a task keeps between buckets
-    counts = json.loads(_bucket(job, store, FIRST, 0, buckets, TASKS, indexes.__getitem__))
-    return {"seconds": time.perf_counter() - start, "peak_mb": rss_mb() - before, "rows": counts["inputs"],
-            "buckets": buckets}
 
 
 def step_weights(work: Path, scale: float) -> dict:
@@ -329,14 +248,16 @@ STEPS = {"index": step_index, "order": step_order, "subset": step_subset, "node"
          "weights": step_weights}
 
 
-def measure(step: str, work: Path, scale: float) -> dict:
+def measure(step: str, work: Path, scale: float, fork: bool) -> dict:
     """One step at one scale, in a process of its own."""
     # Freed buffers go back to the system at once (glibc keeps up to 32 MB of them otherwise), so
     # every path's peak is what it holds, not what the allocator kept: the same for old and new.
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(2**20)}
     if step in ("share", "bucket"):
-        run_child([sys.executable, __file__, "--prepare", step, "--scale", repr(scale), "--work", str(work)], env=env)
-    result = run_child([sys.executable, __file__, "--one", step, "--scale", repr(scale), "--work", str(work)], env=env)
+        run_child([sys.executable, __file__, "--prepare", step, "--scale", repr(scale), "--work", str(work)], env=env,
+                  fork=fork)
+    result = run_child([sys.executable, __file__, "--one", step, "--scale", repr(scale), "--work", str(work)], env=env,
+                       fork=fork)
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
@@ -351,45 +272,6 @@ def fit(scales: list[float], values: list[float]) -> float:
     return math.exp(my - slope * mx)
 
 
-def array_plan_figures(report: dict) -> dict:
-    """The plan's wall time and per-task peak across the array at the paper's scale, against the
-    issue's targets (10 minutes, 4 GB): a task's share (6.25M rows) scaled linearly from the
-    largest share measured (its per-row cost, start-up included: an overestimate; its memory, that
-    of one run of RUN_INPUTS rows, which is all a task holds of its share at once), then the
-    buckets it sorts and cuts, the slowest and largest full-size bucket measured (a bucket holds
-    BUCKET_INPUTS rows on average at any scale past that, so its cost is measured, not
-    extrapolated), and the barriers' polling (5 s for each of 3 steps)."""
-    import math
-
-    from vitforge.shards.array_plan import RUN_INPUTS
-    from vitforge.shards.plan import BUCKET_INPUTS, buckets_for
-
-    shares = report["share"]["runs"]
-    largest = shares[max(shares, key=float)]
-    share_rows = URL_LIST_ROWS // TASKS
-    share_s = largest["seconds"] * share_rows / largest["rows"]
-    share_mb = largest["peak_mb"] * min(share_rows, RUN_INPUTS) / largest["rows"]  # a task holds one run
-    runs = list(report["bucket"]["runs"].values())
-    full = [r for r in runs if r["rows"] >= 0.9 * BUCKET_INPUTS]
-    # Below scale 0.01 no bucket is full size: the largest measured, scaled linearly (a smoke run's).
-    measured = full or [max(runs, key=lambda r: r["rows"])]
-    bucket_s = max(r["seconds"] * BUCKET_INPUTS / r["rows"] for r in measured)
-    bucket_mb = max(r["peak_mb"] * (1 if full else BUCKET_INPUTS / r["rows"]) for r in measured)
-    buckets = buckets_for(URL_LIST_ROWS)
-    per_task = math.ceil(buckets / TASKS)
-    wall = share_s + per_task * bucket_s + 3 * 5
-    peak = max(share_mb, bucket_mb)
-    print(f"array plan: {URL_LIST_ROWS:,} rows over {TASKS} tasks: a share of {share_rows:,} rows {share_s:,.0f} s "
-          f"({largest['rows']:,} measured, scaled linearly), then {per_task} of {buckets} buckets at {bucket_s:,.1f} s "
-          f"each ({f'the slowest of {len(full)} full-size buckets measured' if full else 'scaled from a smaller one'}), "
-          f"+15 s of polling = {wall:,.0f} s, "
-          f"target 600 s: {wall / 600:.2f}x (goal <= 1x)")
-    print(f"array plan: per-task peak max(share {share_mb:,.0f} MB, bucket {bucket_mb:,.0f} MB) = {peak:,.0f} MB, "
-          f"target 4,000 MB: {peak / 4000:.2f}x (goal <= 1x)")
-    return {"wall_s": wall, "peak_mb": peak, "share_s": share_s, "share_mb": share_mb, "bucket_s": bucket_s,
-            "bucket_mb": bucket_mb, "buckets_per_task": per_task}
-
-
 def cache_rule() -> dict:
     from vitforge.pipeline import cache_footprint
 
@@ -401,6 +283,16 @@ def cache_rule() -> dict:
     return lines
 
 
+def fork_steps() -> None:
+    """--fork: what the steps import, imported here once; the weights' ranks forked too (from a
+    step, itself a fork of this process), not started afresh."""
+    from benchmarks import weights_bench
+
+    preload("torch", "pyarrow.parquet", "vitforge.trainer.distributed", "vitforge.pipeline.reader",
+            "vitforge.shards.array_plan")
+    weights_bench.START_METHOD = "fork"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scales", default="0.001,0.01,0.1")
@@ -409,11 +301,14 @@ def main() -> None:
     parser.add_argument("--steps", default=",".join(STEPS))
     parser.add_argument("--work", default="scale-out")
     parser.add_argument("--json", help="write every figure here")
+    parser.add_argument("--fork", action="store_true", help=FORK_HELP)
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--prepare", help=argparse.SUPPRESS)
     parser.add_argument("--scale", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
     work = Path(args.work).resolve()
+    if args.fork:
+        fork_steps()
     if args.one:
         print(json.dumps(STEPS[args.one](work, args.scale)))
         return
@@ -426,7 +321,7 @@ def main() -> None:
     print(f"paper scale: {PAPER['samples']:,} samples, {PAPER['shards']:,} shards, {PAPER['ranks']} ranks "
           f"({PAPER['ranks_per_node']} per node); figures per rank")
     for step in args.steps.split(","):
-        runs = {s: measure(step, work, s) for s in scales + ([1.0] if step in full else [])}
+        runs = {s: measure(step, work, s, args.fork) for s in scales + ([1.0] if step in full else [])}
         report[step] = {"runs": {str(s): r for s, r in runs.items()}, "at_paper_scale": {}}
         print(f"{step}:")
         for s, r in runs.items():

@@ -7,8 +7,9 @@ Variants: all off (train.watchdog false, no tracker, train.straggler_every null)
 straggler exchanges at their default interval (100 steps); MLflow (a real `mlflow server` on
 127.0.0.1, testing/local_mlflow.py); W&B offline; a profiler window (steps 10-12, inside the
 warm-up: the timed steps are the ones outside it). Each is `vitforge train tiny_cpu` on synthetic
-data under torchrun (gloo on the CPU, ZeRO-2, fp32); its step time is the global batch over the
-images/s of each metrics window after the warm-up, the median over every window of every round.
+data under torchrun (one rank: a plain process, as train_bench starts it; gloo on the CPU, ZeRO-2,
+fp32); its step time is the global batch over the images/s of each metrics window after the
+warm-up, the median over every window of every round.
 The variants alternate within each round, each round starting at another one, so a drift of the
 machine falls on all of them; "runs" lists each run's median: the noise to read the ratios against.
 CPU: seconds of the whole process tree (torchrun, the ranks, the tracker's threads and children)
@@ -29,13 +30,15 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.common import run_child  # noqa: E402
-from benchmarks.train_bench import ENV, _port  # noqa: E402
+from benchmarks.common import FORK_HELP, preload, run_child  # noqa: E402
+from benchmarks.train_bench import ENV, RANK_MODULES, on_ranks  # noqa: E402
 from vitforge.testing.local_mlflow import start_local_mlflow  # noqa: E402
 
 OFF = ["train.watchdog=false", "train.straggler_every=null"]
@@ -57,15 +60,14 @@ def run_variant(name: str, args, work: str, env: dict) -> dict:
             f"checkpoint.run={run}", f"train.steps={args.steps}", f"train.log_every={args.log_every}",
             "train.eval_every=1000000", f"train.global_batch={16 * args.nproc}", "train.micro_batch=16",
             *overrides]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc), "--master_port",
-           _port(), "-m", "vitforge", "train", "tiny_cpu"]
-    for item in sets:
-        cmd += ["--set", item]
+    cmd, ranks = on_ranks(args.nproc, ["-m", "vitforge", "train", "tiny_cpu",
+                                       *(arg for item in sets for arg in ("--set", item))])
     # The venv's ninja first on PATH, as the tests run: another ninja rebuilds DeepSpeed's op (30-40 s).
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     os.makedirs(os.path.join(work, run))  # W&B's folder too
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    run_child(cmd, env={**ENV, **env, **extra, "WANDB_DIR": os.path.join(work, run), "PATH": path}, cwd=REPO)
+    run_child(cmd, env={**ENV, **env, **extra, **ranks, "WANDB_DIR": os.path.join(work, run), "PATH": path},
+              cwd=REPO, fork=args.fork)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     rows = [json.loads(line) for line in Path(work, run, "metrics.jsonl").read_text().splitlines()]
     batch = 16 * args.nproc
@@ -87,6 +89,19 @@ def recorded(name: str, run: dict, work: str, mlflow) -> bool | None:
     return None
 
 
+def start_mlflow(folder: str, meanwhile: Callable[[], object]):
+    """The MLflow server, started (its own processes: about 15 s of CPU here) while `meanwhile`
+    runs in this process; stopped again if `meanwhile` fails."""
+    with ThreadPoolExecutor(1) as pool:  # its thread ends with the block: none is left to fork
+        starting = pool.submit(start_local_mlflow, folder)
+        try:
+            meanwhile()
+        except BaseException:
+            starting.result().stop()
+            raise
+    return starting.result()
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=300)
@@ -94,10 +109,13 @@ def main() -> int:
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--fork", action="store_true", help=FORK_HELP)
     args = p.parse_args()
     results = {name: {"step_s": [], "runs": [], "cpu_s": 0.0, "recorded": []} for name in VARIANTS}
     with tempfile.TemporaryDirectory() as work:
-        mlflow = start_local_mlflow(os.path.join(work, "mlflow"))
+        # --fork: the ranks' imports and the trackers' clients, imported while the server starts
+        mlflow = start_mlflow(os.path.join(work, "mlflow"),
+                              lambda: preload(*RANK_MODULES, "mlflow", "wandb") if args.fork else None)
         try:
             names = list(VARIANTS)
             for round_ in range(args.rounds):

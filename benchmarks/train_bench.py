@@ -3,7 +3,8 @@
     python benchmarks/train_bench.py [--steps 200] [--nproc 2]
 
 Both run under torchrun with gloo on the CPU, ZeRO-2, fp32, micro-batch 32, and are timed over
-the same steps after the same warm-up. Goal: ours at most 5% slower.
+the same steps after the same warm-up (one rank: a plain process, as torchrun would start it).
+Goal: ours at most 5% slower.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.common import run_child  # noqa: E402
+from benchmarks.common import FORK_HELP, preload, run_child  # noqa: E402
 
 ENV = {**os.environ, "TORCH_EXTENSIONS_DIR": str(REPO / ".venv" / "torch_extensions"), "OMP_NUM_THREADS": "1",
        "PYTHONPATH": str(REPO)}
@@ -49,10 +50,28 @@ dist.destroy_process_group()
 '''
 
 
+# What a rank imports: with --fork, imported once by the benchmark's own process. DeepSpeed's muon
+# optimizer (imported by deepspeed.initialize's optimizer check) applies torch.compile as it is
+# imported, which imports torch's inductor: 2.5 s of CPU in every rank here.
+RANK_MODULES = ("torch", "deepspeed", "timm", "deepspeed.runtime.zero.muon.muon_optimizer", "torch.utils.tensorboard",
+                "vitforge.cli", "vitforge.trainer.cli", "vitforge.trainer.entry")
+
+
 def _port() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return str(s.getsockname()[1])
+
+
+def on_ranks(nproc: int, argv: list[str]) -> tuple[list[str], dict]:
+    """The command and environment that run `python *argv` on `nproc` ranks of one node: torchrun,
+    or for one rank the rank alone, with the variables torchrun would give it (torchrun's agent is
+    a process that imports torch, and its rank's collectives need no agent)."""
+    if nproc > 1:
+        return ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+                 _port(), "--no-python", sys.executable, *argv], {})
+    return [sys.executable, *argv], {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": _port()}
 
 
 def main() -> int:
@@ -60,20 +79,21 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--fork", action="store_true", help=FORK_HELP)
     args = p.parse_args()
-    run = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc)]
-    bare = run_child(run + ["--master_port", _port(), "--no-python", sys.executable, "-c", BARE,
-                            str(args.steps), str(args.warmup)], env=ENV, cwd=REPO)
+    if args.fork:
+        preload(*RANK_MODULES)
+    cmd, env = on_ranks(args.nproc, ["-c", BARE, str(args.steps), str(args.warmup)])
+    bare = run_child(cmd, env={**ENV, **env}, cwd=REPO, fork=args.fork)
     bare_rate = json.loads(bare.stdout.strip().splitlines()[-1])["images_per_s"]
     with tempfile.TemporaryDirectory() as tmp:
         sets = ["data.train=synthetic", "model.name=vit_small_cpu", "model.num_classes=1000", "model.image_size=32",
                 f"train.steps={args.steps}", f"train.log_every={args.warmup}", "checkpoint.save=false",
                 "train.micro_batch=32", f"train.global_batch={32 * args.nproc}", "train.zero_stage=2",
                 "train.precision=fp32", "optimizer.warmup_steps=1", f"checkpoint.dir={tmp}", "checkpoint.run=bench"]
-        cmd = run + ["--master_port", _port(), "-m", "vitforge", "train", "tiny_cpu"]
-        for item in sets:
-            cmd += ["--set", item]
-        run_child(cmd, env=ENV, cwd=REPO)
+        cmd, env = on_ranks(args.nproc, ["-m", "vitforge", "train", "tiny_cpu",
+                                          *(arg for item in sets for arg in ("--set", item))])
+        run_child(cmd, env={**ENV, **env}, cwd=REPO, fork=args.fork)
         logged = [json.loads(line) for line in Path(tmp, "bench", "metrics.jsonl").read_text().splitlines()]
     windows = [m for m in logged if m["step"] > args.warmup]  # the same steps the bare loop times
     ours = len(windows) / sum(1 / m["images_per_s"] for m in windows)  # harmonic mean of equal windows

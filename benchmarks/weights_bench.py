@@ -23,7 +23,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.common import FORK_HELP, preload  # noqa: E402
+
 PATHS = ("all_gather_object", "broadcast_object", "tensor_by_tensor")
+# How the ranks start: a fresh interpreter each, as a job's ranks do; "fork" where the process that
+# starts them holds torch already (a smoke run's: its imports are then not paid once per rank).
+START_METHOD = "spawn"
 
 
 def _rss_mb() -> float:
@@ -72,7 +77,7 @@ def measure_weight_move(state_mb: float, ranks: int, path: str = "tensor_by_tens
         raise ValueError(f"path {path!r}: one of {', '.join(PATHS)}")
     from vitforge.core import free_port
 
-    context = multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context(START_METHOD)
     results = context.Queue()
     port = free_port()
     processes = [context.Process(target=_rank, args=(r, ranks, port, state_mb, tensor_mb, path, results))
@@ -90,7 +95,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mb", type=float, default=256)
     p.add_argument("--ranks", default="2,4")
+    p.add_argument("--fork", action="store_true", help=FORK_HELP)
     args = p.parse_args()
+    if args.fork:
+        global START_METHOD
+        preload("torch", "vitforge.trainer.distributed")
+        START_METHOD = "fork"
     for ranks in (int(r) for r in args.ranks.split(",")):
         for path in PATHS:
             row = measure_weight_move(args.mb, ranks, path)
