@@ -5,14 +5,22 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-quick coverage bench lock clean system-packages gpu-wheels azurite mlflow-server ds-ops
+.PHONY: setup demo test test-quick lint coverage bench lock clean system-packages gpu-wheels azurite mlflow-server ds-ops
 
 setup: $(STAMP)
 
-# CI installs exactly ci/constraints.txt; torch/torchvision come from local disk where they lie there.
-$(STAMP): pyproject.toml ci/constraints.txt
+# uv installs (downloads and unpacks in parallel; its cache, ~/.cache/uv, makes the next clean clone's
+# install take seconds), bootstrapped by pip into the venv. CI installs exactly ci/constraints.txt;
+# ci/pip_sources.py hands uv the sources pip is configured with, so torch/torchvision come from local
+# disk where they lie there, as with pip.
+UV := $(VENV)/bin/uv
+UV_INSTALL = $(UV) pip install --quiet $$($(PY) ci/pip_sources.py)
+$(UV):
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install --quiet --upgrade-strategy only-if-needed -c ci/constraints.txt -e '.[dev,dali]'
+	$(PIP) install --quiet -c ci/constraints.txt uv
+
+$(STAMP): pyproject.toml ci/constraints.txt | $(UV)
+	$(UV_INSTALL) --python $(PY) -c ci/constraints.txt -e '.[dev,dali]'
 	touch $@
 
 # Debian packages for the cluster tests (those missing, when root): SLURM; iproute2 for the multi-host
@@ -43,9 +51,9 @@ $(AZURITE): ci/azurite/package-lock.json
 # client). Exactly as ci/mlflow-server.txt pins it (`pip freeze` of mlflow==3.17.2).
 MLFLOW_SERVER := $(VENV)/mlflow-server
 mlflow-server: $(MLFLOW_SERVER)/.installed
-$(MLFLOW_SERVER)/.installed: ci/mlflow-server.txt
+$(MLFLOW_SERVER)/.installed: ci/mlflow-server.txt | $(UV)
 	$(PYTHON) -m venv $(MLFLOW_SERVER)
-	$(MLFLOW_SERVER)/bin/pip install --quiet -r ci/mlflow-server.txt
+	$(UV_INSTALL) --python $(MLFLOW_SERVER)/bin/python -r ci/mlflow-server.txt
 	touch $@
 
 # DeepSpeed's shm op, JIT-built once into the venv's cache (about 35 s on 2 cores) before the suite
@@ -62,22 +70,34 @@ $(DS_OPS): $(STAMP)
 TEST_WORKERS ?= 4
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup --durations=30
 
-# The set-up steps download and install in parallel (about a minute less on 2 cores than in turn).
+# The set-up steps download, install and build in parallel (DeepSpeed's op builds while Debian's and
+# npm's packages still install).
+SETUP_ALL := setup system-packages azurite mlflow-server ds-ops
 test:
-	$(MAKE) --no-print-directory -j4 setup system-packages azurite mlflow-server
-	$(MAKE) --no-print-directory ds-ops
+	$(MAKE) --no-print-directory -j4 $(SETUP_ALL)
 	$(PYTEST) tests
 
 # Between changes: the in-process tests (tests/unit), no server, no cluster, a few minutes.
 test-quick: setup
 	$(PY) -m pytest -q -n 2 tests/unit
 
+# The product's formatting, lint and types (pyproject.toml's [tool.ruff] and [tool.mypy]; CI runs it
+# before the tests). mypy reads the folders under the names they install as (vitforge.core, ...),
+# which package-dir gives them: build/lint/vitforge links each there, made afresh each run.
+LINT_PATHS := vitforge core shards pipeline trainer cluster testing
+lint: setup
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	rm -rf build/lint && mkdir -p build/lint/vitforge
+	ln -s $(CURDIR)/vitforge/*.py build/lint/vitforge/
+	for p in $(filter-out vitforge,$(LINT_PATHS)); do ln -s $(CURDIR)/$$p build/lint/vitforge/$$p; done
+	$(PY) -m mypy
+
 # Line and branch coverage of the product in every Python process the tests start (ci/coverage.rc:
 # xdist's workers, the CLI, torchrun's ranks, SLURM jobs), per module; .venv/coverage/coverage.json
 # for ci/coverage_compare.py (per package, and every module that lost covered lines).
 coverage:
-	$(MAKE) --no-print-directory -j4 setup system-packages azurite mlflow-server
-	$(MAKE) --no-print-directory ds-ops
+	$(MAKE) --no-print-directory -j4 $(SETUP_ALL)
 	rm -rf $(VENV)/coverage && mkdir -p $(VENV)/coverage
 	COVERAGE_DIR=$(abspath $(VENV))/coverage $(PY) -m coverage run --rcfile=ci/coverage.rc -m pytest -q \
 		-p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup tests || true

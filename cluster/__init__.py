@@ -8,10 +8,26 @@ from .render import eval_command, render, trainer_command
 from .slurm import JOB_ENDED, cancel, job_info
 from .spec import LaunchSpec, SpecError, load_spec
 
-__all__ = ["JOB_ENDED", "LAUNCHERS", "LaunchSpec", "Launcher", "PlanInput", "Script", "SlurmLauncher", "SpecError",
-           "cancel", "eval_command", "get_launcher", "job_info", "load_spec", "plan", "render", "report",
-           "trainer_command"]
+__all__ = [
+    "JOB_ENDED",
+    "LAUNCHERS",
+    "LaunchSpec",
+    "Launcher",
+    "PlanInput",
+    "Script",
+    "SlurmLauncher",
+    "SpecError",
+    "cancel",
+    "eval_command",
+    "get_launcher",
+    "job_info",
+    "load_spec",
+    "plan",
+    "render",
+    "report",
+    "trainer_command",
+]
 
 # The planner builds models (torch, timm: seconds to import); `vitforge submit`, `status` and
 # `logs` on a login node never need it, so it is imported on first use only.
-__getattr__ = lazy_exports(__name__, globals(), {"planner": ("PlanInput", "plan", "report")})
+__getattr__ = lazy_exports(__name__, globals(), {"planner": ("PlanInput", "plan"), "planner_report": ("report",)})

@@ -62,10 +62,15 @@ class SlurmLauncher:
 
     def scripts(self, spec: LaunchSpec, parts: list[int] | None = None) -> list[Script]:
         if spec.shard:
-            return [Script(f"{spec.name}.sbatch", render_shard_array(spec, parts), "job array",
-                           f"{spec.name}-{{job}}_<task>.out"),
-                    Script(f"{spec.name}-merge.sbatch", render_merge(spec), "merge job",
-                           f"{spec.name}-merge-{{job}}.out")]
+            return [
+                Script(
+                    f"{spec.name}.sbatch",
+                    render_shard_array(spec, parts),
+                    "job array",
+                    f"{spec.name}-{{job}}_<task>.out",
+                ),
+                Script(f"{spec.name}-merge.sbatch", render_merge(spec), "merge job", f"{spec.name}-merge-{{job}}.out"),
+            ]
         return [Script(f"{spec.name}.sbatch", render(spec), "job", f"{spec.name}-{{job}}.out")]
 
     def check(self, spec: LaunchSpec) -> None:
@@ -82,9 +87,15 @@ class SlurmLauncher:
 
     def status(self, job: str) -> dict[str, str | None]:
         info = slurm.job_info(job)
-        return {"job": info.get("JobId"), "name": info.get("JobName"), "state": info.get("JobState"),
-                "reason": info.get("Reason"), "restarts": info["Restarts"], "exit_code": info.get("ExitCode"),
-                "log": info.get("StdOut")}
+        return {
+            "job": info.get("JobId"),
+            "name": info.get("JobName"),
+            "state": info.get("JobState"),
+            "reason": info.get("Reason"),
+            "restarts": info["Restarts"],
+            "exit_code": info.get("ExitCode"),
+            "log": info.get("StdOut"),
+        }
 
     def cancel(self, job: str, signal: str | None = None) -> None:
         slurm.cancel(job, signal)
@@ -99,6 +110,7 @@ DEFAULT_LAUNCHER = "slurm"
 
 def get_launcher(name: str = DEFAULT_LAUNCHER) -> Launcher:
     """The launcher registered as `name`; a UsageError listing the known ones otherwise."""
-    launcher = registry.find(LAUNCHERS, name, unknown=lambda known: UsageError(
-        f"unknown launcher {name!r}; known: {', '.join(known)}"))
+    launcher = registry.find(
+        LAUNCHERS, name, unknown=lambda known: UsageError(f"unknown launcher {name!r}; known: {', '.join(known)}")
+    )
     return launcher()

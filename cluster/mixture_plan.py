@@ -19,7 +19,8 @@ import math
 from vitforge.core import UsageError
 from vitforge.pipeline import CacheDemand, node_cache_shares
 
-from .planner import PlanInput, shards_per_node
+from .planner import PlanInput
+from .planner_formulas import shards_per_node
 
 
 def parse_mixture(items: list[str]) -> list[tuple[int, float]]:
@@ -43,8 +44,10 @@ def mixture_figures(inputs: PlanInput, result: dict, sources: list[tuple[int, fl
     shards = [math.ceil(images * inputs.mean_image_bytes / inputs.shard_bytes) for images, _ in sources]
     per_node = [shards_per_node(n, inputs.nodes) * inputs.shard_bytes for n in shards]
     working = inputs.gpus_per_node * (1 + inputs.shards_ahead) * inputs.shard_bytes
-    caches = node_cache_shares(int(inputs.cache_limit_bytes), [
-        CacheDemand(weight, images, node, working) for (images, weight), node in zip(sources, per_node)])
+    caches = node_cache_shares(
+        int(inputs.cache_limit_bytes),
+        [CacheDemand(weight, images, node, working) for (images, weight), node in zip(sources, per_node)],
+    )
     figures = []
     for (images, weight), n, node, cache in zip(sources, shards, per_node, caches):
         share = weight / total
@@ -55,22 +58,34 @@ def mixture_figures(inputs: PlanInput, result: dict, sources: list[tuple[int, fl
         # the step whose batch takes the source's last unseen sample (its batches hold share x
         # global_batch within a few samples): train.steps for a run that stops when it runs out
         first_pass_step = math.ceil(images / (share * inputs.global_batch))
-        figures.append({"images": images, "weight": weight, "share": share, "samples": taken, "passes": passes,
-                        "first_pass_step": first_pass_step,
-                        "shards": n, "egress_bytes": fetched * images * inputs.mean_image_bytes,
-                        "egress_bytes_per_node": fetched * node, "cache_bytes_per_node": cache,
-                        "cache_kept_fraction": kept})
+        figures.append(
+            {
+                "images": images,
+                "weight": weight,
+                "share": share,
+                "samples": taken,
+                "passes": passes,
+                "first_pass_step": first_pass_step,
+                "shards": n,
+                "egress_bytes": fetched * images * inputs.mean_image_bytes,
+                "egress_bytes_per_node": fetched * node,
+                "cache_bytes_per_node": cache,
+                "cache_kept_fraction": kept,
+            }
+        )
     return figures
 
 
 def mixture_report(figures: list[dict]) -> list[str]:
     lines = ["  mixture: each source read through its own loader, its epochs its own:"]
     for i, f in enumerate(figures):
-        lines.append(f"    source {i}: {f['images']:,} images at weight {f['weight']:g} ({f['share']:.1%} of every "
-                     f"batch): {f['samples']:,.0f} samples drawn, {f['passes']:,.2f} passes over it (the first "
-                     f"ends at step {f['first_pass_step']:,}); "
-                     f"{f['shards']:,} shards; egress {f['egress_bytes'] / 1e12:,.2f} TB in the run, at most "
-                     f"{f['egress_bytes_per_node'] / 1e9:,.1f} GB per node; "
-                     f"node cache {f['cache_bytes_per_node'] / 1e9:,.1f} GB "
-                     f"(keeps {f['cache_kept_fraction']:.0%} of what the node reads of it between passes)")
+        lines.append(
+            f"    source {i}: {f['images']:,} images at weight {f['weight']:g} ({f['share']:.1%} of every "
+            f"batch): {f['samples']:,.0f} samples drawn, {f['passes']:,.2f} passes over it (the first "
+            f"ends at step {f['first_pass_step']:,}); "
+            f"{f['shards']:,} shards; egress {f['egress_bytes'] / 1e12:,.2f} TB in the run, at most "
+            f"{f['egress_bytes_per_node'] / 1e9:,.1f} GB per node; "
+            f"node cache {f['cache_bytes_per_node'] / 1e9:,.1f} GB "
+            f"(keeps {f['cache_kept_fraction']:.0%} of what the node reads of it between passes)"
+        )
     return lines

@@ -21,7 +21,6 @@ import shlex
 
 from vitforge.core import errors
 from vitforge.core.scheduler import SLURM_PORT_BASE, SLURM_PORT_SPAN
-
 from vitforge.trainer.config import TrainConfig
 
 from .spec import LaunchSpec
@@ -39,8 +38,12 @@ CREDENTIALS_NOTE = (
 NCCL_PRESETS = {
     "none": {},
     "infiniband": {"NCCL_IB_DISABLE": "0", "NCCL_NET_GDR_LEVEL": "PHB", "NCCL_SOCKET_IFNAME": "^lo,docker"},
-    "efa": {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "NCCL_PROTO": "simple",
-            "NCCL_SOCKET_IFNAME": "^lo,docker"},
+    "efa": {
+        "FI_PROVIDER": "efa",
+        "FI_EFA_USE_DEVICE_RDMA": "1",
+        "NCCL_PROTO": "simple",
+        "NCCL_SOCKET_IFNAME": "^lo,docker",
+    },
     "roce": {"NCCL_IB_DISABLE": "0", "NCCL_IB_GID_INDEX": "3", "NCCL_SOCKET_IFNAME": "^lo,docker"},
 }
 SBATCH_PLAIN = re.compile(r"[A-Za-z0-9_.:/@%+=,&|*()!\[\]^-]+")
@@ -95,33 +98,35 @@ def _rendezvous(spec: LaunchSpec) -> list[str]:
     with a usage error (not requeued: a requeue would fail the same way)."""
     fail = f'{{ echo "vitforge: $1" >&2; exit {errors.USAGE}; }}'
     several = '[ "${SLURM_JOB_NUM_NODES:-1}" -gt 1 ]'
-    lines = ["# Rendezvous: rank 0 runs on the allocation's first node, which runs this script; its address must",
-             "# be one every node reaches. The port derives from the job id (stable across requeues).",
-             f"rendezvous_fail() {fail}"]
+    lines = [
+        "# Rendezvous: rank 0 runs on the allocation's first node, which runs this script; its address must",
+        "# be one every node reaches. The port derives from the job id (stable across requeues).",
+        f"rendezvous_fail() {fail}",
+    ]
     iface = spec.network_interface
     if iface:
         quoted = shlex.quote(iface)
         lines += [
             f"export GLOO_SOCKET_IFNAME={quoted} NCCL_SOCKET_IFNAME={quoted}",
-            f"MASTER_ADDR=\"$(ip -4 -o addr show dev {quoted} 2>/dev/null "
-            "| awk '{split($4, a, \"/\"); print a[1]; exit}')\"",
+            f'MASTER_ADDR="$(ip -4 -o addr show dev {quoted} 2>/dev/null '
+            '| awk \'{split($4, a, "/"); print a[1]; exit}\')"',
             f'[ -n "$MASTER_ADDR" ] || rendezvous_fail "network_interface {iface} does not exist or has no IPv4 '
-            'address on $(hostname) (it has: $(ls /sys/class/net | tr \"\\n\" \" \"))"',
+            'address on $(hostname) (it has: $(ls /sys/class/net | tr "\\n" " "))"',
             f'case "$MASTER_ADDR" in 127.*) {several} && rendezvous_fail "network_interface {iface} on $(hostname) '
             'is loopback ($MASTER_ADDR): other nodes cannot reach it";; esac',
         ]
     else:
         lines += [
             'first_node="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
-            "MASTER_ADDR=\"$(getent ahostsv4 \"$first_node\" | awk '{print $1; exit}')\"",
+            'MASTER_ADDR="$(getent ahostsv4 "$first_node" | awk \'{print $1; exit}\')"',
             '[ -n "$MASTER_ADDR" ] || rendezvous_fail "node $first_node has no IPv4 address on $(hostname) '
             '(getent ahostsv4); set network_interface in the launch spec"',
             f'case "$MASTER_ADDR" in 127.*) {several} && rendezvous_fail "node $first_node resolves to loopback '
-            '$MASTER_ADDR on $(hostname), which other nodes cannot reach: set network_interface in the launch spec '
+            "$MASTER_ADDR on $(hostname), which other nodes cannot reach: set network_interface in the launch spec "
             '(e.g. eth0, ib0)";; esac',
         ]
     port = f"$(({SLURM_PORT_BASE} + SLURM_JOB_ID % {SLURM_PORT_SPAN}))"  # what scheduler_env derives
-    return lines + ["export MASTER_ADDR", f"export MASTER_PORT={port}"]
+    return [*lines, "export MASTER_ADDR", f"export MASTER_PORT={port}"]
 
 
 def nccl_watchdog(spec: LaunchSpec) -> list[str]:
@@ -145,15 +150,26 @@ def nccl_watchdog(spec: LaunchSpec) -> list[str]:
 
 
 def _allocation(spec: LaunchSpec) -> list[str]:
-    requests = {"mem": spec.mem_per_node, "mem-per-cpu": spec.mem_per_cpu, "mem-per-gpu": spec.mem_per_gpu,
-                "partition": spec.partition, "account": spec.account, "qos": spec.qos, "constraint": spec.constraint}
-    return [*(_option(name, value) for name, value in requests.items() if value),
-            *(["--exclusive"] if spec.exclusive else [])]
+    requests = {
+        "mem": spec.mem_per_node,
+        "mem-per-cpu": spec.mem_per_cpu,
+        "mem-per-gpu": spec.mem_per_gpu,
+        "partition": spec.partition,
+        "account": spec.account,
+        "qos": spec.qos,
+        "constraint": spec.constraint,
+    }
+    return [
+        *(_option(name, value) for name, value in requests.items() if value),
+        *(["--exclusive"] if spec.exclusive else []),
+    ]
 
 
 def _setup(env: dict[str, str], venv: str | None) -> list[str]:
-    return [*(f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())),
-            *([f"source {shlex.quote(venv)}/bin/activate"] if venv else [])]
+    return [
+        *(f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())),
+        *([f"source {shlex.quote(venv)}/bin/activate"] if venv else []),
+    ]
 
 
 def render_shard_array(spec: LaunchSpec, parts: list[int] | None = None) -> str:
@@ -162,17 +178,34 @@ def render_shard_array(spec: LaunchSpec, parts: list[int] | None = None) -> str:
     shard = spec.shard
     indices = ",".join(map(str, parts)) if parts else f"0-{shard.num_parts - 1}"
     throttle = f"%{shard.throttle}" if shard.throttle else ""
-    command = ["vitforge", "shard", shard.src, shard.dest, "--num-parts", str(shard.num_parts),
-               "--workers", str(spec.cpus_per_task), *shard.args]
+    command = [
+        "vitforge",
+        "shard",
+        shard.src,
+        shard.dest,
+        "--num-parts",
+        str(shard.num_parts),
+        "--workers",
+        str(spec.cpus_per_task),
+        *shard.args,
+    ]
     lines = [
         "#!/bin/bash",
         f"# vitforge launch spec {spec.name!r}: sharding in {shard.num_parts} parts, one array task each.",
         *CREDENTIALS_NOTE,
-        f"#SBATCH {_option('job-name', spec.name)}", f"#SBATCH --array={indices}{throttle}", "#SBATCH --nodes=1",
-        "#SBATCH --ntasks=1", f"#SBATCH --cpus-per-task={spec.cpus_per_task}", f"#SBATCH {_option('time', spec.time)}",
+        f"#SBATCH {_option('job-name', spec.name)}",
+        f"#SBATCH --array={indices}{throttle}",
+        "#SBATCH --nodes=1",
+        "#SBATCH --ntasks=1",
+        f"#SBATCH --cpus-per-task={spec.cpus_per_task}",
+        f"#SBATCH {_option('time', spec.time)}",
         *(f"#SBATCH {d}" for d in _allocation(spec)),
-        "#SBATCH --requeue", "#SBATCH --open-mode=append", f"#SBATCH {_log(spec.log_dir, '%x-%A_%a.out')}",
-        "", "set -uo pipefail", *_setup(spec.env, spec.venv),
+        "#SBATCH --requeue",
+        "#SBATCH --open-mode=append",
+        f"#SBATCH {_log(spec.log_dir, '%x-%A_%a.out')}",
+        "",
+        "set -uo pipefail",
+        *_setup(spec.env, spec.venv),
         "# Array task i builds part i (also when only some parts are resubmitted); a rerun resumes it.",
         shlex.join(command) + ' --part "$SLURM_ARRAY_TASK_ID"',
     ]
@@ -184,11 +217,18 @@ def render_merge(spec: LaunchSpec) -> str:
     lines = [
         "#!/bin/bash",
         f"# vitforge launch spec {spec.name!r}: merge the parts' records into dataset.json.",
-        f"#SBATCH {_option('job-name', f'{spec.name}-merge')}", "#SBATCH --nodes=1", "#SBATCH --ntasks=1",
-        *CREDENTIALS_NOTE, "#SBATCH --cpus-per-task=1", f"#SBATCH {_option('time', spec.time)}",
+        f"#SBATCH {_option('job-name', f'{spec.name}-merge')}",
+        "#SBATCH --nodes=1",
+        "#SBATCH --ntasks=1",
+        *CREDENTIALS_NOTE,
+        "#SBATCH --cpus-per-task=1",
+        f"#SBATCH {_option('time', spec.time)}",
         *(f"#SBATCH {d}" for d in _allocation(spec)),
-        "#SBATCH --open-mode=append", f"#SBATCH {_log(spec.log_dir, '%x-%j.out')}",
-        "", "set -uo pipefail", *_setup(spec.env, spec.venv),
+        "#SBATCH --open-mode=append",
+        f"#SBATCH {_log(spec.log_dir, '%x-%j.out')}",
+        "",
+        "set -uo pipefail",
+        *_setup(spec.env, spec.venv),
         shlex.join(["vitforge", "shard", "merge", spec.shard.dest]),
     ]
     return "\n".join(lines) + "\n"
@@ -198,10 +238,14 @@ def _command(spec: LaunchSpec, tasks: list[LaunchSpec] | None, srun: list[str]) 
     if not tasks:
         return [f"{shlex.join(srun)} \\\n    {shlex.join(trainer_command(spec) if spec.train else eval_command(spec))}"]
     cases = [f"    {i}) command=({shlex.join(trainer_command(task))}) ;;" for i, task in enumerate(tasks)]
-    return ["# This array task's run (SLURM_ARRAY_TASK_ID); a task's requeue restarts this task alone.",
-            'case "${SLURM_ARRAY_TASK_ID:?}" in', *cases,
-            f'    *) echo "vitforge: no run for array task $SLURM_ARRAY_TASK_ID" >&2; exit {errors.USAGE} ;;', "esac",
-            f'{shlex.join(srun)} "${{command[@]}}"']
+    return [
+        "# This array task's run (SLURM_ARRAY_TASK_ID); a task's requeue restarts this task alone.",
+        'case "${SLURM_ARRAY_TASK_ID:?}" in',
+        *cases,
+        f'    *) echo "vitforge: no run for array task $SLURM_ARRAY_TASK_ID" >&2; exit {errors.USAGE} ;;',
+        "esac",
+        f'{shlex.join(srun)} "${{command[@]}}"',
+    ]
 
 
 def _requeue(spec: LaunchSpec) -> list[str]:
@@ -219,7 +263,7 @@ def _requeue(spec: LaunchSpec) -> list[str]:
         "# link returns.",
         f"if [ $code -eq {REQUEUE_EXIT} ] || [ $code -eq {HUNG_EXIT} ]; then",
         "    for try in 1 2 3; do",
-        "        current=\"$(scontrol show job -o \"$SLURM_JOB_ID\" 2>/dev/null "
+        '        current="$(scontrol show job -o "$SLURM_JOB_ID" 2>/dev/null '
         "| grep -oE '(Restarts|RestartCnt)=[0-9]+' | head -n 1 | cut -d= -f2)\"",
         '        [ -n "$current" ] && break; sleep 5',
         "    done",
@@ -237,9 +281,9 @@ def _requeue(spec: LaunchSpec) -> list[str]:
         f'        echo "vitforge: job $SLURM_JOB_ID hung (hang $hangs; at most {spec.max_hang_requeues} requeued): '
         "every rank's stacks are in the run's debug/ folder\"",
         "    fi",
-        f"    if [ \"$hangs\" -gt {spec.max_hang_requeues} ]; then",
+        f'    if [ "$hangs" -gt {spec.max_hang_requeues} ]; then',
         f'        echo "vitforge: hang requeue limit {spec.max_hang_requeues} reached; the run is resumable by hand"',
-        f"    elif [ \"${{SLURM_RESTART_COUNT:-0}}\" -lt {spec.max_requeues} ]; then",
+        f'    elif [ "${{SLURM_RESTART_COUNT:-0}}" -lt {spec.max_requeues} ]; then',
         '        echo "vitforge: requeueing job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0})"',
         '        scontrol requeue "$SLURM_JOB_ID"',
         "        exit 0",
@@ -256,22 +300,8 @@ def render(spec: LaunchSpec, tasks: list[LaunchSpec] | None = None) -> str:
     requeues on its own."""
     if spec.shard is not None:
         return render_shard_array(spec)
-    array = [f"--array=0-{len(tasks) - 1}"] if tasks else []
-    directives = [
-        _option("job-name", spec.name), f"--nodes={spec.nodes}", f"--ntasks-per-node={spec.ntasks_per_node}",
-        f"--cpus-per-task={spec.cpus_per_task}", _option("time", spec.time),
-        *([_option("gpus-per-node", f"{spec.gpu_type + ':' if spec.gpu_type else ''}{spec.gpus_per_node}")]
-          if spec.gpus_per_node else []),
-        *_allocation(spec),
-        # An eval has nothing to save: no pre-limit signal, which would only kill it.
-        "--requeue", *([f"--signal=USR1@{spec.signal_lead_s}"] if spec.train else []), "--open-mode=append",
-        *array, _log(spec.log_dir, "%x-%A_%a.out" if tasks else "%x-%j.out"),
-    ]
-    srun = ["srun", "--kill-on-bad-exit=1", f"--ntasks-per-node={spec.ntasks_per_node}"]
-    if spec.container:
-        srun.append(f"--container-image={spec.container.image}")
-        if spec.container.mounts:
-            srun.append(f"--container-mounts={','.join(spec.container.mounts)}")
+    directives = _directives(spec, tasks)
+    srun = _srun(spec)
     lines = [
         "#!/bin/bash",
         f"# vitforge launch spec {spec.name!r}: {spec.nodes} node(s) x {spec.ntasks_per_node} task(s), rendered by "
@@ -282,8 +312,14 @@ def render(spec: LaunchSpec, tasks: list[LaunchSpec] | None = None) -> str:
         "set -uo pipefail",
         *_rendezvous(spec),
         *nccl_watchdog(spec),
-        *_setup({k: v for k, v in {**NCCL_PRESETS[spec.nccl], **spec.env}.items()
-                 if not (spec.network_interface and k == "NCCL_SOCKET_IFNAME")}, spec.venv),
+        *_setup(
+            {
+                k: v
+                for k, v in {**NCCL_PRESETS[spec.nccl], **spec.env}.items()
+                if not (spec.network_interface and k == "NCCL_SOCKET_IFNAME")
+            },
+            spec.venv,
+        ),
         'echo "vitforge: job $SLURM_JOB_ID start $(date -Is) restart ${SLURM_RESTART_COUNT:-0} on $SLURM_JOB_NODELIST, '
         'rendezvous $MASTER_ADDR:$MASTER_PORT"',
         "",
@@ -300,3 +336,37 @@ def render(spec: LaunchSpec, tasks: list[LaunchSpec] | None = None) -> str:
         "exit $code",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _directives(spec: LaunchSpec, tasks: list[LaunchSpec] | None) -> list[str]:
+    """The #SBATCH options: the job's name, shape, time, GPUs and allocation, requeueing, and its log."""
+    array = [f"--array=0-{len(tasks) - 1}"] if tasks else []
+    return [
+        _option("job-name", spec.name),
+        f"--nodes={spec.nodes}",
+        f"--ntasks-per-node={spec.ntasks_per_node}",
+        f"--cpus-per-task={spec.cpus_per_task}",
+        _option("time", spec.time),
+        *(
+            [_option("gpus-per-node", f"{spec.gpu_type + ':' if spec.gpu_type else ''}{spec.gpus_per_node}")]
+            if spec.gpus_per_node
+            else []
+        ),
+        *_allocation(spec),
+        # An eval has nothing to save: no pre-limit signal, which would only kill it.
+        "--requeue",
+        *([f"--signal=USR1@{spec.signal_lead_s}"] if spec.train else []),
+        "--open-mode=append",
+        *array,
+        _log(spec.log_dir, "%x-%A_%a.out" if tasks else "%x-%j.out"),
+    ]
+
+
+def _srun(spec: LaunchSpec) -> list[str]:
+    """srun's options, the spec's container among them."""
+    srun = ["srun", "--kill-on-bad-exit=1", f"--ntasks-per-node={spec.ntasks_per_node}"]
+    if spec.container:
+        srun.append(f"--container-image={spec.container.image}")
+        if spec.container.mounts:
+            srun.append(f"--container-mounts={','.join(spec.container.mounts)}")
+    return srun

@@ -77,9 +77,9 @@ def parse_partitions(sinfo: str, partition: str | None) -> dict | None:
     """{"name", "gpus_per_node": {GRES type or None: most GPUs on one node}, "max_time_s"} from
     `sinfo -h -o %P|%l|%G`, which prints a line per distinct node configuration of a partition and
     GRES as gpu:8, gpu:h100:8(S:0-1), gpu:a100:4,gpu:h100:4 or (null). max_time_s: None if unlimited."""
-    found = None
+    found: dict | None = None
     for line in sinfo.splitlines():
-        name, limit, gres = (line.split("|") + ["", ""])[:3]
+        name, limit, gres = [*line.split("|"), "", ""][:3]
         default = name.endswith("*")
         name = name.rstrip("*")
         if not ((partition is None and default) or name == partition):

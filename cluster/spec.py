@@ -4,6 +4,7 @@ cluster/specs/ plus `--set a.b=c` overrides, like the trainer's config."""
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -15,13 +16,16 @@ from vitforge.core.settings import Strict, load_validated
 SPECS = Path(__file__).resolve().parent / "specs"
 # Names that carry credentials: never written into a script; jobs get them from the environment
 # they are submitted from (sbatch exports it) or from a credentials file the cluster has.
-SECRET_NAME = re.compile(r"SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL|ACCESS_KEY|ACCOUNT_KEY|STORAGE_KEY|CONNECTION_STRING"
-                         r"|(^|_)SAS(_|$)|PRIVATE|SESSION", re.IGNORECASE)
+SECRET_NAME = re.compile(
+    r"SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL|ACCESS_KEY|ACCOUNT_KEY|STORAGE_KEY|CONNECTION_STRING"
+    r"|(^|_)SAS(_|$)|PRIVATE|SESSION",
+    re.IGNORECASE,
+)
 
 
-def _whole(pattern: str, expected: str):
-    """A str that must match `pattern` as a whole (no trailing newline slips past a `$`). Every
-    spec value reaches the sbatch script: this is what it may contain there; render.py quotes it."""
+def _whole(pattern: str, expected: str) -> AfterValidator:
+    """Validates a str that must match `pattern` as a whole (no trailing newline slips past a `$`).
+    Every spec value reaches the sbatch script: this is what it may contain there; render.py quotes it."""
     regex = re.compile(pattern)
 
     def check(value: str) -> str:
@@ -29,29 +33,51 @@ def _whole(pattern: str, expected: str):
             raise ValueError(f"{value!r}: {expected}")
         return value
 
-    return Annotated[str, AfterValidator(check)]
+    return AfterValidator(check)
 
 
 # Written bare into #SBATCH lines (and file names): no shell, quoting or comment syntax at all.
-SlurmName = _whole(r"[A-Za-z0-9_.-]+", "letters, digits, '_', '.', '-' only")
+SlurmName = Annotated[str, _whole(r"[A-Za-z0-9_.-]+", "letters, digits, '_', '.', '-' only")]
 # SLURM's feature expressions: AND &, OR |, matching OR [...], counts *N, grouping (), NOT !.
-Constraint = _whole(r"[A-Za-z0-9_.:&|,\[\]*()!-]+",
-                    "node features (letters, digits, '_', '.', '-', ':') joined by SLURM's & | , [ ] * ( ) ! only")
-SlurmTime = _whole(r"(\d+-)?\d{1,2}(:\d{2}){0,2}", "expected a SLURM time such as 04:00:00 or 2-00:00:00")
-SlurmSize = _whole(r"\d+[KMGT]?", "expected a SLURM size such as 900G, 64000 (MB) or 2T")
+Constraint = Annotated[
+    str,
+    _whole(
+        r"[A-Za-z0-9_.:&|,\[\]*()!-]+",
+        "node features (letters, digits, '_', '.', '-', ':') joined by SLURM's & | , [ ] * ( ) ! only",
+    ),
+]
+SlurmTime = Annotated[
+    str, _whole(r"(\d+-)?\d{1,2}(:\d{2}){0,2}", "expected a SLURM time such as 04:00:00 or 2-00:00:00")
+]
+SlurmSize = Annotated[str, _whole(r"\d+[KMGT]?", "expected a SLURM size such as 900G, 64000 (MB) or 2T")]
 # Linux interface names: at most 15 characters (IFNAMSIZ), no '/', ':' or whitespace.
-InterfaceName = _whole(r"[A-Za-z0-9_.-]{1,15}", "an interface name such as eth0 or ib0: at most 15 letters, digits, "
-                       "'_', '.', '-'")
-EnvName = _whole(r"[A-Za-z_][A-Za-z0-9_]*", "a variable name: letters, digits and '_', not starting with a digit")
+InterfaceName = Annotated[
+    str,
+    _whole(r"[A-Za-z0-9_.-]{1,15}", "an interface name such as eth0 or ib0: at most 15 letters, digits, '_', '.', '-'"),
+]
+EnvName = Annotated[
+    str, _whole(r"[A-Za-z_][A-Za-z0-9_]*", "a variable name: letters, digits and '_', not starting with a digit")
+]
 # Paths and free values: anything on one line (a line break would end a #SBATCH block or a shell
 # word's line, NUL cannot be in a script); they are shell-quoted wherever they are written.
-Text = _whole(r"[^\x00-\x1f\x7f]*", "one line of text: no line break, NUL or other control character")
+Text = Annotated[str, _whole(r"[^\x00-\x1f\x7f]*", "one line of text: no line break, NUL or other control character")]
 # pyxis splits --container-mounts at commas.
-Mount = _whole(r"[^\x00-\x1f\x7f,]+", "SRC:DST[:FLAGS] on one line: no ',' (mounts are joined with commas), "
-               "line break, NUL or other control character")
+Mount = Annotated[
+    str,
+    _whole(
+        r"[^\x00-\x1f\x7f,]+",
+        "SRC:DST[:FLAGS] on one line: no ',' (mounts are joined with commas), line break, NUL or other "
+        "control character",
+    ),
+]
 # A backslash anywhere in --output makes SLURM drop it and stop expanding %x/%j (every job, one file).
-LogDir = _whole(r"[^\x00-\x1f\x7f\\]+", "a folder on one line: no '\\' (SLURM's file patterns), line break, NUL "
-                "or other control character")
+LogDir = Annotated[
+    str,
+    _whole(
+        r"[^\x00-\x1f\x7f\\]+",
+        "a folder on one line: no '\\' (SLURM's file patterns), line break, NUL or other control character",
+    ),
+]
 
 
 class SpecError(UsageError):
@@ -162,9 +188,11 @@ class LaunchSpec(Strict):
     def _no_secrets(cls, value: dict[str, str]) -> dict[str, str]:
         secret = sorted(k for k in value if SECRET_NAME.search(k))
         if secret:
-            raise ValueError(f"{', '.join(secret)}: credentials are never written into a job script; export them "
-                             "where you run `vitforge submit` (sbatch passes the environment on) or use the "
-                             "cluster's credentials file")
+            raise ValueError(
+                f"{', '.join(secret)}: credentials are never written into a job script; export them "
+                "where you run `vitforge submit` (sbatch passes the environment on) or use the "
+                "cluster's credentials file"
+            )
         return value
 
     @model_validator(mode="after")
@@ -196,7 +224,7 @@ def slurm_seconds(text: str) -> int:
     days, _, clock = text.rpartition("-")
     parts = [int(p) for p in clock.split(":")]
     if days:
-        hours, minutes, seconds = (parts + [0, 0])[:3]
+        hours, minutes, seconds = [*parts, 0, 0][:3]
     else:
         hours, minutes, seconds = {1: [0, parts[0], 0], 2: [0, *parts], 3: parts}[len(parts)]
     return (int(days or 0) * 24 + hours) * 3600 + minutes * 60 + seconds
@@ -217,14 +245,16 @@ def check_against(spec: LaunchSpec, limits: dict | None) -> None:
         most = max(gpus.values(), default=0)
     if spec.gpus_per_node > most:
         kind = f"{spec.gpu_type} " if spec.gpu_type else ""
-        raise SpecError(f"gpus_per_node {spec.gpus_per_node}: partition {limits['name']} offers at most "
-                        f"{most} {kind}GPUs per node")
+        raise SpecError(
+            f"gpus_per_node {spec.gpus_per_node}: partition {limits['name']} offers at most {most} {kind}GPUs per node"
+        )
     if limits["max_time_s"] is not None and spec.time_limit_s() > limits["max_time_s"]:
-        raise SpecError(f"time {spec.time}: over partition {limits['name']}'s limit of "
-                        f"{limits['max_time_s'] // 60} minutes")
+        raise SpecError(
+            f"time {spec.time}: over partition {limits['name']}'s limit of {limits['max_time_s'] // 60} minutes"
+        )
 
 
-def load_spec(path: str | Path, overrides: list[str] = ()) -> LaunchSpec:
+def load_spec(path: str | Path, overrides: Sequence[str] = ()) -> LaunchSpec:
     spec = load_validated(path, list(overrides), LaunchSpec, SPECS, "launch spec", SpecError)
     if spec.signal_lead_s >= spec.time_limit_s():
         raise SpecError(f"{path}: signal_lead_s {spec.signal_lead_s} is not shorter than the time limit {spec.time}")

@@ -18,9 +18,10 @@ import json
 import os
 import re
 import subprocess
-from fnmatch import fnmatch
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
+from fnmatch import fnmatch
 from pathlib import Path
 
 from pydantic import Field, field_validator
@@ -97,7 +98,7 @@ class StudyRun:
     overrides: list[str]
 
 
-def load_study(path: str, overrides: list[str] = ()) -> StudySpec:
+def load_study(path: str, overrides: Sequence[str] = ()) -> StudySpec:
     return load_validated(path, list(overrides), StudySpec, STUDIES, "study spec", StudyError)
 
 
@@ -112,14 +113,33 @@ def runs(study: StudySpec) -> list[StudyRun]:
                     length = f"-{steps}steps" if steps else ""
                     mixed = "-w" + "-".join(f"{w:g}" for w in weights) if weights else ""
                     name = re.sub(r"[^A-Za-z0-9_.-]", "-", f"{study.name}-{model}-{subset}{length}{mixed}")
-                    mine = [item for pattern, items in study.model_overrides.items() if fnmatch(model, pattern)
-                            for item in items]
+                    mine = [
+                        item
+                        for pattern, items in study.model_overrides.items()
+                        if fnmatch(model, pattern)
+                        for item in items
+                    ]
                     train = [f"data.train={_mixture(study.mixture, weights)}"] if weights else []
-                    out.append(StudyRun(model, subset, steps, tuple(weights) if weights else None, name,
-                                        f"{study.checkpoint_dir.rstrip('/')}/{name}",
-                                        [*study.overrides, *mine, f"model.name={model}", f"data.subset={subset}",
-                                         *([f"train.steps={steps}"] if steps else []), *train,
-                                         f"checkpoint.dir={study.checkpoint_dir}", f"checkpoint.run={name}"]))
+                    out.append(
+                        StudyRun(
+                            model,
+                            subset,
+                            steps,
+                            tuple(weights) if weights else None,
+                            name,
+                            f"{study.checkpoint_dir.rstrip('/')}/{name}",
+                            [
+                                *study.overrides,
+                                *mine,
+                                f"model.name={model}",
+                                f"data.subset={subset}",
+                                *([f"train.steps={steps}"] if steps else []),
+                                *train,
+                                f"checkpoint.dir={study.checkpoint_dir}",
+                                f"checkpoint.run={name}",
+                            ],
+                        )
+                    )
     return out
 
 
@@ -132,8 +152,9 @@ def launch_spec(study: StudySpec, run: StudyRun) -> LaunchSpec:
     spec = load_spec(study.launch)
     train = {**spec.train.model_dump(), "overrides": [*spec.train.overrides, *run.overrides], "checkpoint_dir": None}
     # validated again: the study's models and overrides reach the job script like the spec's own values
-    return validated({**spec.model_dump(), "name": run.name, "train": train}, LaunchSpec,
-                     f"study run {run.name}", StudyError)
+    return validated(
+        {**spec.model_dump(), "name": run.name, "train": train}, LaunchSpec, f"study run {run.name}", StudyError
+    )
 
 
 def check_runs(study: StudySpec) -> None:
@@ -164,9 +185,20 @@ def array_script(study: StudySpec) -> tuple[LaunchSpec, str]:
 def run_locally(study: StudySpec, run: StudyRun) -> int:
     """The run under torchrun on this machine, `local_ranks` processes; its exit code."""
     command = trainer_command(launch_spec(study, run))
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
-                           str(study.local_ranks), "--master_port", str(free_port()), "-m", "vitforge",
-                           *command[1:]]).returncode
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(study.local_ranks),
+            "--master_port",
+            str(free_port()),
+            "-m",
+            "vitforge",
+            *command[1:],
+        ]
+    ).returncode
 
 
 def collect(study: StudySpec) -> list[dict]:
@@ -180,16 +212,28 @@ def collect(study: StudySpec) -> list[dict]:
         results = RunStore(run.url).results()
         config = results["config"]
         model = config.get("model", {})
-        shape = (model.get("name", run.model), model.get("image_size", 224), results.get("num_classes") or 1000,
-                 config.get("train", {}).get("objective", "classification"))
+        shape = (
+            model.get("name", run.model),
+            model.get("image_size", 224),
+            results.get("num_classes") or 1000,
+            config.get("train", {}).get("objective", "classification"),
+        )
         if shape not in per_image:
             per_image[shape] = 3 * forward_flops(*shape)
         seen = results["step"] * config.get("train", {}).get("global_batch", 0)
-        rows.append({"model": run.model, "subset": run.subset, "run": run.url,
-                     **({"weights": list(run.weights)} if run.weights else {}),
-                     "train_samples": results["train_samples"], "step": results["step"],
-                     "samples_seen": seen, "train_flops": per_image[shape] * seen,
-                     **{k: v for k, v in results.items() if k.startswith("eval_")}})
+        rows.append(
+            {
+                "model": run.model,
+                "subset": run.subset,
+                "run": run.url,
+                **({"weights": list(run.weights)} if run.weights else {}),
+                "train_samples": results["train_samples"],
+                "step": results["step"],
+                "samples_seen": seen,
+                "train_flops": per_image[shape] * seen,
+                **{k: v for k, v in results.items() if k.startswith("eval_")},
+            }
+        )
     return rows
 
 
@@ -206,13 +250,18 @@ def figure_metric(rows: list[dict], asked: str | None = None) -> str | None:
 
 def table(rows: list[dict], metric: str | None) -> str:
     mixed = any("weights" in row for row in rows)  # a mixture study: a column for each run's weights
-    lines = ["| model | subset | " + ("weights | " if mixed else "") + "steps | training samples | samples seen | "
-             "training FLOPs | " + (metric or "eval") + " |", "|---" * (7 + mixed) + "|"]
+    lines = [
+        "| model | subset | " + ("weights | " if mixed else "") + "steps | training samples | samples seen | "
+        "training FLOPs | " + (metric or "eval") + " |",
+        "|---" * (7 + mixed) + "|",
+    ]
     for row in rows:
         value = f"{row[metric]:.4f}" if metric and isinstance(row.get(metric), (int, float)) else "-"
         weights = f"{'/'.join(f'{w:g}' for w in row.get('weights', []))} | " if mixed else ""
-        lines.append(f"| {row['model']} | {row['subset']} | {weights}{row['step']} | {row['train_samples']} | "
-                     f"{row['samples_seen']} | {row['train_flops']:.3g} | {value} |")
+        lines.append(
+            f"| {row['model']} | {row['subset']} | {weights}{row['step']} | {row['train_samples']} | "
+            f"{row['samples_seen']} | {row['train_flops']:.3g} | {value} |"
+        )
     return "\n".join(lines)
 
 
@@ -226,14 +275,17 @@ def plot(rows: list[dict], metric: str | None, x: str, path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(5, 4))
     # Across sizes, a line per training length; across compute, a line per model.
-    line_of = ((lambda r: (r["model"], r["step"], *r.get("weights", []))) if x == "train_samples"
-               else (lambda r: (r["model"], *r.get("weights", []))))
+    line_of = (
+        (lambda r: (r["model"], r["step"], *r.get("weights", [])))
+        if x == "train_samples"
+        else (lambda r: (r["model"], *r.get("weights", [])))
+    )
     lengths = len({r["step"] for r in rows})
     for line in dict.fromkeys(map(line_of, rows)):
         mine = sorted((r for r in rows if line_of(r) == line and metric in r), key=lambda r: r[x])
         label = line[0] if x != "train_samples" or lengths == 1 else f"{line[0]}, {line[1]} steps"
         if len(line) > (2 if x == "train_samples" else 1):  # a mixture study: the weights
-            label += ", weights " + "/".join(f"{w:g}" for w in line[2 if x == "train_samples" else 1:])
+            label += ", weights " + "/".join(f"{w:g}" for w in line[2 if x == "train_samples" else 1 :])
         ax.plot([r[x] for r in mine], [r[metric] for r in mine], marker="o", label=label)
     ax.set_xscale("log")
     ax.set_xlabel("Training samples (pre-training set size)" if x == "train_samples" else "Pre-training FLOPs")
@@ -247,8 +299,7 @@ def plot(rows: list[dict], metric: str | None, x: str, path: str) -> None:
 
 def write_results(rows: list[dict], out: str, metric: str | None) -> list[str]:
     os.makedirs(out, exist_ok=True)
-    paths = [os.path.join(out, name) for name in ("data_scale.json", "data_scale.md", "data_scale.png",
-                                                  "compute.png")]
+    paths = [os.path.join(out, name) for name in ("data_scale.json", "data_scale.md", "data_scale.png", "compute.png")]
     with open(paths[0], "w") as f:
         json.dump(rows, f, indent=1)
     with open(paths[1], "w") as f:

@@ -1,7 +1,7 @@
 """`vitforge submit SPEC`, `vitforge status JOB`, `vitforge logs JOB [-f]`, `vitforge cancel JOB`.
 
-  vitforge submit vit_h14_pretrain_1node --dry-run     print the sbatch script a spec renders to
-  vitforge submit my_spec.yaml --set nodes=4            write it to LOG_DIR/NAME.sbatch and sbatch it
+vitforge submit vit_h14_pretrain_1node --dry-run     print the sbatch script a spec renders to
+vitforge submit my_spec.yaml --set nodes=4            write it to LOG_DIR/NAME.sbatch and sbatch it
 """
 
 from __future__ import annotations
@@ -20,14 +20,25 @@ from .spec import SPECS, SpecError, load_spec
 
 def submit_main(argv: list[str]) -> int:
     shipped = ", ".join(sorted(p.stem for p in SPECS.glob("*.yaml")))
-    p = argparse.ArgumentParser(prog="vitforge submit", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="vitforge submit", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("spec", help=f"a launch spec YAML file, or a shipped one: {shipped}")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a spec value, e.g. --set nodes=4 --set train.overrides=[train.steps=100]")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a spec value, e.g. --set nodes=4 --set train.overrides=[train.steps=100]",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the script instead of submitting it")
-    p.add_argument("--parts", default=None, metavar="I,J,...",
-                   help="sharding specs: submit only these array tasks (e.g. the ones that failed), then the merge")
+    p.add_argument(
+        "--parts",
+        default=None,
+        metavar="I,J,...",
+        help="sharding specs: submit only these array tasks (e.g. the ones that failed), then the merge",
+    )
     args = p.parse_args(argv)
     setup_logging()
     spec = load_spec(args.spec, args.overrides)
@@ -82,8 +93,10 @@ def status_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="vitforge status", description="State of a submitted job.")
     p.add_argument("job", type=job_id)
     info = get_launcher().status(p.parse_args(argv).job)
-    print(f"job {info['job']} {info['name']}: {info['state']} (reason {info['reason']}), "
-          f"restarts {info['restarts']}, exit code {info['exit_code']}, log {info['log']}")
+    print(
+        f"job {info['job']} {info['name']}: {info['state']} (reason {info['reason']}), "
+        f"restarts {info['restarts']}, exit code {info['exit_code']}, log {info['log']}"
+    )
     return 0
 
 
@@ -103,8 +116,12 @@ def logs_main(argv: list[str]) -> int:
 def cancel_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="vitforge cancel", description="Cancel a job (or send it a signal).")
     p.add_argument("job", type=job_id)
-    p.add_argument("--signal", type=signal_name, default=None,
-                   help="send this signal instead, e.g. USR1 to make it save and requeue")
+    p.add_argument(
+        "--signal",
+        type=signal_name,
+        default=None,
+        help="send this signal instead, e.g. USR1 to make it save and requeue",
+    )
     args = p.parse_args(argv)
     get_launcher().cancel(args.job, args.signal)
     return 0

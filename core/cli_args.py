@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import argparse
 import math
-from typing import Callable
+from collections.abc import Callable
 
 
-def bounded(kind: type, low: float | None = None, high: float | None = None,
-            above: float | None = None) -> Callable[[str], int | float]:
+def bounded(
+    kind: type, low: float | None = None, high: float | None = None, above: float | None = None
+) -> Callable[[str], int | float]:
     """A converter to `kind` that accepts low <= value <= high, or value > above (any bound may be None)."""
     noun = "an integer" if kind is int else "a number"
 
@@ -18,8 +19,12 @@ def bounded(kind: type, low: float | None = None, high: float | None = None,
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
-        if (not math.isfinite(value) or (low is not None and value < low) or (high is not None and value > high)
-                or (above is not None and value <= above)):
+        if (
+            not math.isfinite(value)
+            or (low is not None and value < low)
+            or (high is not None and value > high)
+            or (above is not None and value <= above)
+        ):
             raise argparse.ArgumentTypeError(f"{text} is out of range: expected {noun} {_range(low, high, above)}")
         return value
 

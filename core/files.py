@@ -6,7 +6,8 @@ import contextlib
 import errno
 import hashlib
 import os
-from typing import Callable, Iterator, TypeVar
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 PARTIAL_MARK = ".partial-"
 # Local folders come and go under a writer: a store removes a folder once it is empty (an object
@@ -77,8 +78,7 @@ def _in_folder(action: Callable[[], T], folder: str, may_retry: Callable[[], boo
 
 
 def atomic_write(path: str, data: bytes, tmp: str | None = None) -> None:
-    with atomic_path(path, tmp) as tmp:
-        with create_file(tmp) as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+    with atomic_path(path, tmp) as tmp, create_file(tmp) as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())

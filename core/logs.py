@@ -21,8 +21,12 @@ def process_rank() -> int:
 def setup_logging() -> None:
     rank = process_rank()
     level = logging.INFO if rank == 0 else logging.WARNING
-    logging.basicConfig(level=level, format=f"%(asctime)s [rank {rank}] %(name)s %(levelname)s %(message)s",
-                        stream=sys.stderr, force=True)
+    logging.basicConfig(
+        level=level,
+        format=f"%(asctime)s [rank {rank}] %(name)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+        force=True,
+    )
     # botocore says at INFO where it found the endpoint, once per client: a line per shard reader.
     for chatty in ("botocore", "boto3", "s3transfer", "aiobotocore"):
         logging.getLogger(chatty).setLevel(max(level, logging.WARNING))

@@ -43,17 +43,22 @@ class Progress:
     def _outcomes(self) -> str:
         failed = ", ".join(f"{reason} {n}" for reason, n in self.outcomes.most_common(4))
         more = len(self.outcomes) - 4
-        return f"ok {max(0, self.done - sum(self.outcomes.values()))}" + (f", {failed}" if failed else "") + (
-            f", {more} more reasons" if more > 0 else "")
+        return (
+            f"ok {max(0, self.done - sum(self.outcomes.values()))}"
+            + (f", {failed}" if failed else "")
+            + (f", {more} more reasons" if more > 0 else "")
+        )
 
     def line(self) -> str:
         elapsed = max(time.monotonic() - self.start, 1e-9)
         rate = self.done / elapsed
         eta = (self.total - self.done) / rate if rate else float("inf")
         share = 100.0 * self.done / self.total if self.total else 100.0
-        return (f"{self.what}: {self.done}/{self.total} images ({share:.1f}%), {rate:.0f} img/s, "
-                f"{self.bytes / elapsed / 1e6:.1f} MB/s, ETA {_clock(eta)}"
-                + (f"; {self._outcomes()}" if self.outcomes else ""))
+        return (
+            f"{self.what}: {self.done}/{self.total} images ({share:.1f}%), {rate:.0f} img/s, "
+            f"{self.bytes / elapsed / 1e6:.1f} MB/s, ETA {_clock(eta)}"
+            + (f"; {self._outcomes()}" if self.outcomes else "")
+        )
 
     def close(self) -> None:
         if self.bar is not None:

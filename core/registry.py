@@ -18,10 +18,14 @@ Cost: a table holds one entry per registered name (a handful), nothing that grow
 from __future__ import annotations
 
 import importlib
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
+
+# The implementations come back as Any: a table holds whatever its caller registers (a store's
+# opener, a backend's builder, an objective), and each caller gives the result its own type.
 
 
-def load(target: str) -> object:
+def load(target: str) -> Any:
     """The object "module:attribute" names (the module itself for "module")."""
     module, _, attribute = target.partition(":")
     loaded = importlib.import_module(module)
@@ -35,7 +39,7 @@ def add_entry_points(table: dict, points: Iterable) -> None:
         table.setdefault(point.name, point.value)
 
 
-def resolve(table: dict, name: str) -> object:
+def resolve(table: dict, name: str) -> Any:
     """The implementation registered as `name` (a KeyError when none): a "module:attribute" string
     is imported now and replaces itself in the table."""
     value = table[name]
@@ -44,15 +48,17 @@ def resolve(table: dict, name: str) -> object:
     return value
 
 
-def find(table: dict, name: str, unknown: Callable[[list[str]], Exception],
-         more: Callable[[], None] | None = None) -> object:
+def find(
+    table: dict, name: str, unknown: Callable[[list[str]], Exception], more: Callable[[], None] | None = None
+) -> Any:
     """`resolve`, once `require` knows the name."""
     require(table, name, unknown, more)
     return resolve(table, name)
 
 
-def require(table: dict, name: str, unknown: Callable[[list[str]], Exception],
-            more: Callable[[], None] | None = None) -> None:
+def require(
+    table: dict, name: str, unknown: Callable[[list[str]], Exception], more: Callable[[], None] | None = None
+) -> None:
     """That `name` is registered, importing nothing of it: `more()` (e.g. reading entry points)
     tried first when it is missing; an unknown name raises `unknown(the known names, sorted)`."""
     if name not in table and more is not None:

@@ -17,9 +17,10 @@ import math
 import os
 import random
 import time
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Callable, Iterator, TypeVar
+from typing import TypeVar
 
 from .errors import StorageError, UsageError
 
@@ -49,6 +50,7 @@ class TransientError(OSError):
 @dataclass(frozen=True)
 class StoreLimits:
     """Defaults suit a real cloud: a slow first byte from S3 is seconds, not a minute."""
+
     connect_timeout_s: float = 10
     read_timeout_s: float = 60
     deadline_s: float = 180
@@ -56,18 +58,22 @@ class StoreLimits:
 
     def botocore_config(self) -> dict:
         """Keyword arguments for botocore's (and aiobotocore's) `Config`."""
-        return {"connect_timeout": self.connect_timeout_s, "read_timeout": self.read_timeout_s,
-                "retries": {"mode": os.environ.get("AWS_RETRY_MODE", "standard"),
-                            "total_max_attempts": self.attempts}}
+        return {
+            "connect_timeout": self.connect_timeout_s,
+            "read_timeout": self.read_timeout_s,
+            "retries": {"mode": os.environ.get("AWS_RETRY_MODE", "standard"), "total_max_attempts": self.attempts},
+        }
 
 
 def store_limits() -> StoreLimits:
     """The bounds from the environment, read at each use so a test or a job can set them."""
     default = StoreLimits()
-    return StoreLimits(_positive("VITFORGE_STORE_CONNECT_TIMEOUT_S", default.connect_timeout_s),
-                       _positive("VITFORGE_STORE_READ_TIMEOUT_S", default.read_timeout_s),
-                       _positive("VITFORGE_STORE_DEADLINE_S", default.deadline_s),
-                       int(_positive("AWS_MAX_ATTEMPTS", default.attempts, whole=True)))
+    return StoreLimits(
+        _positive("VITFORGE_STORE_CONNECT_TIMEOUT_S", default.connect_timeout_s),
+        _positive("VITFORGE_STORE_READ_TIMEOUT_S", default.read_timeout_s),
+        _positive("VITFORGE_STORE_DEADLINE_S", default.deadline_s),
+        int(_positive("AWS_MAX_ATTEMPTS", default.attempts, whole=True)),
+    )
 
 
 def _positive(name: str, default: float, whole: bool = False) -> float:
@@ -113,8 +119,10 @@ def current_operation() -> Operation | None:
 
 
 def past_deadline(what: str, attempts: int, error: str) -> StorageError:
-    return StorageError(f"{what}: still failing when the {store_limits().deadline_s:g} s deadline passed "
-                        f"({attempts} attempts, last: {error}); VITFORGE_STORE_DEADLINE_S sets it")
+    return StorageError(
+        f"{what}: still failing when the {store_limits().deadline_s:g} s deadline passed "
+        f"({attempts} attempts, last: {error}); VITFORGE_STORE_DEADLINE_S sets it"
+    )
 
 
 def with_retries(fn: Callable[[], T], what: str, attempts: int = 6, base_delay: float = 0.2) -> T:
@@ -133,8 +141,15 @@ def with_retries(fn: Callable[[], T], what: str, attempts: int = 6, base_delay: 
                     raise StorageError(f"{what}: failed after {attempt} attempts: {type(e).__name__}: {e}") from None
                 if time.monotonic() + delay > bound.deadline:
                     raise past_deadline(what, attempt, f"{type(e).__name__}: {e}") from None
-                log.warning("%s: attempt %d/%d failed: %s: %s; next in %.1f s", what, attempt, attempts,
-                            type(e).__name__, e, delay)
+                log.warning(
+                    "%s: attempt %d/%d failed: %s: %s; next in %.1f s",
+                    what,
+                    attempt,
+                    attempts,
+                    type(e).__name__,
+                    e,
+                    delay,
+                )
                 time.sleep(delay)
     raise AssertionError("unreachable")
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Mapping, NamedTuple
+from typing import NamedTuple
 
 from .errors import UsageError
 
@@ -78,8 +79,11 @@ def _slurm_job(env: Mapping[str, str]) -> dict:
     array_index = None if not task else _whole(env, "SLURM_ARRAY_TASK_ID") - _whole(env, "SLURM_ARRAY_TASK_MIN", 0)
     if job and task:
         job = f"{env.get('SLURM_ARRAY_JOB_ID', job)}_{task}"
-    return {"job": f"slurm:{job}" if job else None, "restart_count": _whole(env, "SLURM_RESTART_COUNT", 0),
-            "array_index": array_index}
+    return {
+        "job": f"slurm:{job}" if job else None,
+        "restart_count": _whole(env, "SLURM_RESTART_COUNT", 0),
+        "array_index": array_index,
+    }
 
 
 def _check_rank(env: SchedulerEnv, rank_var: str, size_var: str) -> SchedulerEnv:
@@ -89,10 +93,20 @@ def _check_rank(env: SchedulerEnv, rank_var: str, size_var: str) -> SchedulerEnv
 
 
 def _read_torchrun(env: Mapping[str, str]) -> SchedulerEnv:
-    return _check_rank(SchedulerEnv(
-        "torchrun", _whole(env, "RANK"), _whole(env, "WORLD_SIZE"), _whole(env, "LOCAL_RANK", 0),
-        env.get("MASTER_ADDR") or DEFAULT_MASTER_ADDR, _whole(env, "MASTER_PORT", TORCHRUN_DEFAULT_PORT),
-        _whole(env, "LOCAL_WORLD_SIZE", 1), **_slurm_job(env)), "RANK", "WORLD_SIZE")
+    return _check_rank(
+        SchedulerEnv(
+            "torchrun",
+            _whole(env, "RANK"),
+            _whole(env, "WORLD_SIZE"),
+            _whole(env, "LOCAL_RANK", 0),
+            env.get("MASTER_ADDR") or DEFAULT_MASTER_ADDR,
+            _whole(env, "MASTER_PORT", TORCHRUN_DEFAULT_PORT),
+            _whole(env, "LOCAL_WORLD_SIZE", 1),
+            **_slurm_job(env),
+        ),
+        "RANK",
+        "WORLD_SIZE",
+    )
 
 
 def _read_slurm(env: Mapping[str, str]) -> SchedulerEnv:
@@ -102,11 +116,20 @@ def _read_slurm(env: Mapping[str, str]) -> SchedulerEnv:
     count = re.match(r"\d+", per_node)  # SLURM_TASKS_PER_NODE reads like "8(x2),4"
     if not count:
         raise UsageError(f"{per_node_var}={per_node!r} does not start with a number of tasks")
-    return _check_rank(SchedulerEnv(
-        "slurm", _whole(env, "SLURM_PROCID"), _whole(env, "SLURM_NTASKS"), _whole(env, "SLURM_LOCALID", 0),
-        env.get("MASTER_ADDR") or first_host(env.get("SLURM_JOB_NODELIST", DEFAULT_MASTER_ADDR)),
-        _whole(env, "MASTER_PORT", SLURM_PORT_BASE + job_id % SLURM_PORT_SPAN), int(count.group()),
-        **_slurm_job(env)), "SLURM_PROCID", "SLURM_NTASKS")
+    return _check_rank(
+        SchedulerEnv(
+            "slurm",
+            _whole(env, "SLURM_PROCID"),
+            _whole(env, "SLURM_NTASKS"),
+            _whole(env, "SLURM_LOCALID", 0),
+            env.get("MASTER_ADDR") or first_host(env.get("SLURM_JOB_NODELIST", DEFAULT_MASTER_ADDR)),
+            _whole(env, "MASTER_PORT", SLURM_PORT_BASE + job_id % SLURM_PORT_SPAN),
+            int(count.group()),
+            **_slurm_job(env),
+        ),
+        "SLURM_PROCID",
+        "SLURM_NTASKS",
+    )
 
 
 def _read_single(env: Mapping[str, str]) -> SchedulerEnv:

@@ -30,8 +30,14 @@ def _switch(value):
 Switch = Annotated[Literal["auto", "on", "off"], BeforeValidator(_switch)]
 
 
-def load_validated(path: str | Path, overrides: list[str], schema: type[M], shipped: Path, what: str,
-                   error: type[UsageError] = UsageError) -> M:
+def load_validated(
+    path: str | Path,
+    overrides: list[str],
+    schema: type[M],
+    shipped: Path,
+    what: str,
+    error: type[UsageError] = UsageError,
+) -> M:
     """Read `path` (or SHIPPED/NAME.yaml), apply overrides, validate; every problem in one error."""
     path = Path(path)
     if not path.exists() and (shipped / f"{path}.yaml").exists():
@@ -44,8 +50,9 @@ def load_validated(path: str | Path, overrides: list[str], schema: type[M], ship
         try:
             parsed = yaml.safe_load(value)
         except yaml.YAMLError as e:
-            raise error(f"--set {key}: the value is not valid YAML ({_yaml_problem(e)}); quote it to pass a "
-                        "string") from None
+            raise error(
+                f"--set {key}: the value is not valid YAML ({_yaml_problem(e)}); quote it to pass a string"
+            ) from None
         _assign(raw, key.split("."), parsed, error)
     return validated(raw, schema, str(path), error)
 
@@ -63,8 +70,9 @@ def problems(e: ValidationError) -> str:
     lines = []
     for problem in e.errors():
         key = ".".join(str(p) for p in problem["loc"]) or "(top level)"
-        message = "unknown key" if problem["type"] == "extra_forbidden" else \
-            problem["msg"].removeprefix("Value error, ")
+        message = (
+            "unknown key" if problem["type"] == "extra_forbidden" else problem["msg"].removeprefix("Value error, ")
+        )
         shown = problem["type"] != "extra_forbidden" and not isinstance(problem["input"], dict)
         lines.append(masked(f"{key}: {message}" + (f" (got {problem['input']!r})" if shown else "")))
     return "; ".join(lines)
@@ -88,8 +96,10 @@ def _read_mapping(path: Path, shipped: Path, what: str, error: type[UsageError])
     if raw is None:
         return {}
     if not isinstance(raw, dict):
-        raise error(f"{path}: expected a mapping of sections at the top level (key: value lines), "
-                    f"got a YAML {type(raw).__name__}")
+        raise error(
+            f"{path}: expected a mapping of sections at the top level (key: value lines), "
+            f"got a YAML {type(raw).__name__}"
+        )
     return raw
 
 

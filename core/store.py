@@ -26,6 +26,7 @@ URL with a query string, a password or a `..` segment is refused before any stor
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import errno
 import hashlib
@@ -36,10 +37,11 @@ import socket
 import tempfile
 import threading
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
-from typing import Callable, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from . import registry
 from .errors import StorageError, UsageError
@@ -99,24 +101,25 @@ class Store(Protocol):
     def stat(self, name: str) -> ObjectInfo:
         """Size and version; FileNotFoundError when absent."""
 
-    def download(self, name: str, local_path: str, part_bytes: int = 16 << 20, threads: int = 8,
-                 length: int | None = None) -> str:
+    def download(
+        self, name: str, local_path: str, part_bytes: int = 16 << 20, threads: int = 8, length: int | None = None
+    ) -> str:
         """Copy to a local file in parallel ranged reads of one version; the sha256 of the bytes.
         `length`: only the first `length` bytes, without pinning a version."""
 
-    def exists(self, name: str) -> bool:
-        ...
+    def exists(self, name: str) -> bool: ...
 
     def list(self, prefix: str) -> list[str]:
         """The objects directly in the folder `prefix` ("prefix/name"), sorted."""
 
-    def list_folder(self, prefix: str) -> tuple[list[str], dict[str, int]]:
+    # (builtins.list: in the class body below `def list`, a bare `list` names that method)
+    def list_folder(self, prefix: str) -> tuple[builtins.list[str], dict[str, int]]:
         """One folder level: (subfolder names, {object name: size}), names relative to `prefix`."""
 
     def walk(self, prefix: str = "") -> dict[str, int]:
         """Every object under `prefix`, recursively, with its size; temporaries left out."""
 
-    def delete(self, names: list[str]) -> None:
+    def delete(self, names: builtins.list[str]) -> None:
         """Remove objects; absent ones are not an error."""
 
     def abort_uploads(self, prefix: str) -> int:
@@ -138,9 +141,12 @@ class Store(Protocol):
 Opener = Callable[[str, str], Store]  # (url, local work folder) -> Store
 _BUILTIN = {
     "file": "vitforge.core.store_local:open_local",
-    "s3": "vitforge.core.store_s3:open_s3", "s3a": "vitforge.core.store_s3:open_s3",
-    "gs": "vitforge.core.store_gcs:open_gcs", "gcs": "vitforge.core.store_gcs:open_gcs",
-    "az": "vitforge.core.store_azure:open_azure", "abfs": "vitforge.core.store_azure:open_azure",
+    "s3": "vitforge.core.store_s3:open_s3",
+    "s3a": "vitforge.core.store_s3:open_s3",
+    "gs": "vitforge.core.store_gcs:open_gcs",
+    "gcs": "vitforge.core.store_gcs:open_gcs",
+    "az": "vitforge.core.store_azure:open_azure",
+    "abfs": "vitforge.core.store_azure:open_azure",
     "abfss": "vitforge.core.store_azure:open_azure",
 }
 FSSPEC_FALLBACK = "vitforge.core.store_fsspec:open_fsspec"  # read-only, for any other scheme fsspec knows
@@ -175,9 +181,14 @@ def open_store(url: str, work_dir: str = "_work/tmp") -> Store:
     check_store_url(url)
     if read_only(url):
         return registry.load(FSSPEC_FALLBACK)(url, work_dir)
-    opener = registry.find(_openers, scheme, unknown=lambda known: UsageError(
-        f"{url}: no store for {scheme}:// (known: {', '.join(s + '://' for s in known)}, and for reading any "
-        f"scheme fsspec knows; a package adds one through the entry point group {ENTRY_POINT_GROUP!r})"))
+    opener = registry.find(
+        _openers,
+        scheme,
+        unknown=lambda known: UsageError(
+            f"{url}: no store for {scheme}:// (known: {', '.join(s + '://' for s in known)}, and for reading any "
+            f"scheme fsspec knows; a package adds one through the entry point group {ENTRY_POINT_GROUP!r})"
+        ),
+    )
     return opener(url, work_dir)
 
 
@@ -191,14 +202,17 @@ def read_only(url: str) -> bool:
 
 def read_only_error(url: str) -> UsageError:
     """The refusal of a write to a store `read_only` says is one, naming the scheme and what it lacks."""
-    return UsageError(f"{url}: {scheme_of(url)}:// is read through fsspec, which offers no all-or-nothing write "
-                      "and no compare-and-swap (what checkpoints, the lease and sharder outputs need): write to a "
-                      "local folder, s3://, gs:// or az:// instead")
+    return UsageError(
+        f"{url}: {scheme_of(url)}:// is read through fsspec, which offers no all-or-nothing write "
+        "and no compare-and-swap (what checkpoints, the lease and sharder outputs need): write to a "
+        "local folder, s3://, gs:// or az:// instead"
+    )
 
 
 def _fsspec_knows(scheme: str) -> bool:
     """Whether fsspec has a filesystem for `scheme` (its package may still be missing: the opener says)."""
-    from fsspec.registry import known_implementations, registry as loaded
+    from fsspec.registry import known_implementations
+    from fsspec.registry import registry as loaded
 
     return scheme in known_implementations or scheme in loaded
 
@@ -251,8 +265,9 @@ def _load_entry_points() -> None:
     registry.add_entry_points(_openers, entry_points(group=ENTRY_POINT_GROUP))
 
 
-def parallel_download(store: Store, name: str, local_path: str, part_bytes: int, threads: int,
-                      length: int | None) -> str:
+def parallel_download(
+    store: Store, name: str, local_path: str, part_bytes: int, threads: int, length: int | None
+) -> str:
     """`download` for object stores, on top of `get_range`: parts fetched in parallel and written
     in place, hashed in order as they arrive (checking costs no second pass over the file). A part
     cut short is fetched again by get_range; a write that cannot complete raises LocalWriteError.
@@ -325,10 +340,11 @@ class StagedStore:
         os.makedirs(folder, exist_ok=True)
         return temp_name(folder, self.staging_key(name))
 
-    def list(self, prefix: str) -> list[str]:
+    # (self: Store: a mixin's methods use what the implementation gives, list_folder and stat)
+    def list(self: Store, prefix: str) -> list[str]:
         return sorted(f"{prefix.rstrip('/')}/{n}" if prefix else n for n in self.list_folder(prefix)[1])
 
-    def exists(self, name: str) -> bool:
+    def exists(self: Store, name: str) -> bool:
         """Through stat, whose errors are the store's: an SDK's own exists() says False for a
         missing bucket too, which would hide it."""
         try:
@@ -337,11 +353,12 @@ class StagedStore:
         except FileNotFoundError:
             return False
 
-    def download(self, name: str, local_path: str, part_bytes: int = 16 << 20, threads: int = 8,
-                 length: int | None = None) -> str:
+    def download(
+        self: Store, name: str, local_path: str, part_bytes: int = 16 << 20, threads: int = 8, length: int | None = None
+    ) -> str:
         return parallel_download(self, name, local_path, part_bytes, threads, length)
 
-    def local_copy(self, name: str, folder: str) -> str:
+    def local_copy(self: Store, name: str, folder: str) -> str:
         path = os.path.join(folder, os.path.basename(name))
         self.download(name, path)
         return path
@@ -364,8 +381,9 @@ class LocalWriteError(StorageError):
 def local_write_error(path: str, e: OSError) -> LocalWriteError:
     """Names the file, the cause and the room left, which is what a full disk needs to be fixed."""
     folder = os.path.dirname(os.path.abspath(path))
-    return LocalWriteError(f"{path}: {e.strerror or e} ({shutil.disk_usage(folder).free / 1e6:.1f} MB free in "
-                           f"{folder})")
+    return LocalWriteError(
+        f"{path}: {e.strerror or e} ({shutil.disk_usage(folder).free / 1e6:.1f} MB free in {folder})"
+    )
 
 
 def write_all(fd: int, data: bytes, offset: int, path: str) -> None:
@@ -388,8 +406,9 @@ def staging_dir() -> str:
 def temp_name(folder: str, name: str) -> str:
     """Host and pid in the name let a rerun tell a dead writer's leftovers from a live one's; the
     thread, that two threads of a process writing one name do not share a temporary."""
-    return os.path.join(folder, f"{name.replace('/', '%')}.t{threading.get_ident()}{PARTIAL_MARK}"
-                                f"{socket.gethostname()}-{os.getpid()}")
+    return os.path.join(
+        folder, f"{name.replace('/', '%')}.t{threading.get_ident()}{PARTIAL_MARK}{socket.gethostname()}-{os.getpid()}"
+    )
 
 
 def discard_stale(folder: str, shard_names: set[str]) -> int:
@@ -420,5 +439,3 @@ def process_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-
-

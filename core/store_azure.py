@@ -32,14 +32,23 @@ from .store import UPLOAD_THREADS, ObjectInfo, StagedStore, whole
 
 try:
     from azure.core import MatchConditions
-    from azure.core.exceptions import (AzureError, ClientAuthenticationError, HttpResponseError, IncompleteReadError,
-                                       ResourceExistsError, ResourceModifiedError,
-                                       ResourceNotFoundError, ServiceRequestError, ServiceResponseError)
+    from azure.core.exceptions import (
+        AzureError,
+        ClientAuthenticationError,
+        HttpResponseError,
+        IncompleteReadError,
+        ResourceExistsError,
+        ResourceModifiedError,
+        ResourceNotFoundError,
+        ServiceRequestError,
+        ServiceResponseError,
+    )
     from azure.core.pipeline.transport import RequestsTransport
     from azure.storage.blob import BlobPrefix, BlobServiceClient, ExponentialRetry
 except ImportError as e:  # an optional dependency: say how to get it rather than print a traceback
-    raise UsageError(f"az:// and abfs:// stores need the Azure client ({e.name} is missing): "
-                     "pip install 'vitforge[azure]'") from None
+    raise UsageError(
+        f"az:// and abfs:// stores need the Azure client ({e.name} is missing): pip install 'vitforge[azure]'"
+    ) from None
 
 log = logging.getLogger("vitforge.store")
 # The SDK logs every request's headers at INFO (ten lines a request, secrets redacted): warnings only.
@@ -77,11 +86,14 @@ def parse_azure_url(url: str) -> AzureLocation:
     if at and not account:
         raise UsageError(f"{url}: no account after '@'")
     if domain and (domain.partition(".")[0] not in ("blob", "dfs") or not domain.partition(".")[2]):
-        raise UsageError(f"{url}: expected container@ACCOUNT.blob.core.windows.net or "
-                         f"container@ACCOUNT.dfs.core.windows.net, got the host {host!r}")
+        raise UsageError(
+            f"{url}: expected container@ACCOUNT.blob.core.windows.net or "
+            f"container@ACCOUNT.dfs.core.windows.net, got the host {host!r}"
+        )
     if not CONTAINER_NAME.fullmatch(container):
-        raise UsageError(f"{url}: {container!r} is not a container name (3-63 lower-case letters, digits "
-                         "and single hyphens)")
+        raise UsageError(
+            f"{url}: {container!r} is not a container name (3-63 lower-case letters, digits and single hyphens)"
+        )
     return AzureLocation(scheme.lower(), container, prefix.strip("/"), host)
 
 
@@ -101,14 +113,17 @@ def account_of(where: AzureLocation) -> str | None:
     if connection_string:
         named = connection_string_account(connection_string)
         if where.account and named and where.account != named:
-            raise UsageError(f"the URL names the account {where.account!r} but AZURE_STORAGE_CONNECTION_STRING "
-                             f"is for {named!r}")
+            raise UsageError(
+                f"the URL names the account {where.account!r} but AZURE_STORAGE_CONNECTION_STRING is for {named!r}"
+            )
         return named
     account = where.account or _env("AZURE_STORAGE_ACCOUNT_NAME", "AZURE_STORAGE_ACCOUNT")
     if not account:
-        raise UsageError(f"{where.scheme}://{where.container}: no Azure storage account: name it in the URL "
-                         f"({where.scheme}://{where.container}@ACCOUNT.dfs.core.windows.net/...), or set "
-                         "AZURE_STORAGE_ACCOUNT_NAME or AZURE_STORAGE_CONNECTION_STRING")
+        raise UsageError(
+            f"{where.scheme}://{where.container}: no Azure storage account: name it in the URL "
+            f"({where.scheme}://{where.container}@ACCOUNT.dfs.core.windows.net/...), or set "
+            "AZURE_STORAGE_ACCOUNT_NAME or AZURE_STORAGE_CONNECTION_STRING"
+        )
     return account
 
 
@@ -120,8 +135,10 @@ def service_client(where: AzureLocation, **options) -> BlobServiceClient:
         try:
             return BlobServiceClient.from_connection_string(connection_string, **options)
         except ValueError:
-            raise UsageError("AZURE_STORAGE_CONNECTION_STRING is malformed (expected "
-                             "AccountName=...;AccountKey=...; or a SAS and BlobEndpoint)") from None
+            raise UsageError(
+                "AZURE_STORAGE_CONNECTION_STRING is malformed (expected "
+                "AccountName=...;AccountKey=...; or a SAS and BlobEndpoint)"
+            ) from None
     key = _env("AZURE_STORAGE_KEY", "AZURE_STORAGE_ACCOUNT_KEY")
     sas = _env("AZURE_STORAGE_SAS_TOKEN")
     if key:
@@ -159,8 +176,14 @@ class _BoundedRetry(ExponentialRetry):
         if time.monotonic() >= settings["vitforge_deadline"]:
             raise past_deadline(where, attempts, failure)
         if retrying:
-            log.warning("%s: attempt %d/%d failed: %s; %.1f s left before the deadline", where, attempts,
-                        self.total_retries + 1, failure, settings["vitforge_deadline"] - time.monotonic())
+            log.warning(
+                "%s: attempt %d/%d failed: %s; %.1f s left before the deadline",
+                where,
+                attempts,
+                self.total_retries + 1,
+                failure,
+                settings["vitforge_deadline"] - time.monotonic(),
+            )
         return retrying
 
 
@@ -171,17 +194,31 @@ def client_options() -> dict:
     import requests.adapters
 
     limits = store_limits()
-    retry = _BoundedRetry(limits.deadline_s, initial_backoff=0.5, increment_base=1.5, random_jitter_range=0.5,
-                          retry_total=limits.attempts - 1)
+    retry = _BoundedRetry(
+        limits.deadline_s,
+        initial_backoff=0.5,
+        increment_base=1.5,
+        random_jitter_range=0.5,
+        retry_total=limits.attempts - 1,
+    )
     session = requests.Session()
     adapter = requests.adapters.HTTPAdapter(pool_connections=32, pool_maxsize=32)
     session.mount("https://", adapter)
     session.mount("http://", adapter)
     # 256 KiB reads, as the SDK's own transport does: azure-core's default of 4 KiB halves download speed
-    transport = RequestsTransport(session=session, session_owner=False, connection_timeout=limits.connect_timeout_s,
-                                  read_timeout=limits.read_timeout_s, connection_data_block_size=256 << 10)
-    return {"retry_policy": retry, "transport": transport, "max_single_put_size": SINGLE_PUT_BYTES,
-            "max_block_size": BLOCK_BYTES}
+    transport = RequestsTransport(
+        session=session,
+        session_owner=False,
+        connection_timeout=limits.connect_timeout_s,
+        read_timeout=limits.read_timeout_s,
+        connection_data_block_size=256 << 10,
+    )
+    return {
+        "retry_policy": retry,
+        "transport": transport,
+        "max_single_put_size": SINGLE_PUT_BYTES,
+        "max_block_size": BLOCK_BYTES,
+    }
 
 
 def _first_line(e: AzureError) -> str:
@@ -190,14 +227,16 @@ def _first_line(e: AzureError) -> str:
 
 
 def _code(e: HttpResponseError) -> str:
-    """"412 ConditionNotMet": the status and Azure's error code (an enum or a string)."""
+    """ "412 ConditionNotMet": the status and Azure's error code (an enum or a string)."""
     return f"{e.status_code} {getattr(e.error_code, 'value', e.error_code) or ''}".strip()
 
 
 def _denied(url: str, cause: str, e: AzureError) -> StorageError:
-    return StorageError(f"{url}: access denied ({cause}: {_first_line(e)}); credentials come from "
-                        "AZURE_STORAGE_CONNECTION_STRING, AZURE_STORAGE_KEY, AZURE_STORAGE_SAS_TOKEN or "
-                        "DefaultAzureCredential")
+    return StorageError(
+        f"{url}: access denied ({cause}: {_first_line(e)}); credentials come from "
+        "AZURE_STORAGE_CONNECTION_STRING, AZURE_STORAGE_KEY, AZURE_STORAGE_SAS_TOKEN or "
+        "DefaultAzureCredential"
+    )
 
 
 @contextlib.contextmanager
@@ -229,13 +268,14 @@ def _named(url: str, create: bool = False):
             raise TransientError(f"{url}: {_code(e)}: {_first_line(e)}") from None
         raise StorageError(f"{url}: {_code(e)}: {_first_line(e)}") from None
     except ServiceRequestError as e:
-        raise StorageError(f"{url}: cannot reach the blob endpoint: {_first_line(e)} (after the SDK's retries)") \
-            from None
+        raise StorageError(
+            f"{url}: cannot reach the blob endpoint: {_first_line(e)} (after the SDK's retries)"
+        ) from None
     except AzureError as e:
         raise StorageError(f"{url}: {type(e).__name__}: {_first_line(e)}") from None
 
 
-def open_azure(url: str, work_dir: str) -> "AzureStore":
+def open_azure(url: str, work_dir: str) -> AzureStore:
     """The client itself is made on first use (after a fork, in the process that uses it); a
     missing account is refused here, before any retry."""
     where = parse_azure_url(url)
@@ -247,6 +287,7 @@ def open_azure(url: str, work_dir: str) -> "AzureStore":
 class AzureStore(StagedStore):
     """Per rank: one client and its pool of 32 connections; an upload holds at most UPLOAD_THREADS
     blocks (BLOCK_BYTES each) in memory. `requests`: HTTP requests sent, the SDK's retries included."""
+
     where: AzureLocation
     _container: object = field(default=None, repr=False)
 
@@ -278,8 +319,9 @@ class AzureStore(StagedStore):
     def put_file(self, local_path: str, name: str, keep: bool = False) -> None:
         """Blocks staged in parallel (UPLOAD_THREADS), then one commit: the blob appears whole or not at all."""
         with open(local_path, "rb") as f, _named(self.url(name)):
-            self.blob(name).upload_blob(f, length=os.fstat(f.fileno()).st_size, overwrite=True,
-                                        max_concurrency=UPLOAD_THREADS)
+            self.blob(name).upload_blob(
+                f, length=os.fstat(f.fileno()).st_size, overwrite=True, max_concurrency=UPLOAD_THREADS
+            )
         if not keep:
             os.unlink(local_path)
 
@@ -300,8 +342,11 @@ class AzureStore(StagedStore):
 
     def put_if(self, name: str, data: bytes, version: str | None) -> str:
         """If-None-Match "*" when absent, If-Match ETag otherwise; the new ETag."""
-        condition = ({"overwrite": False} if version is None else
-                     {"overwrite": True, "etag": version, "match_condition": MatchConditions.IfNotModified})
+        condition = (
+            {"overwrite": False}
+            if version is None
+            else {"overwrite": True, "etag": version, "match_condition": MatchConditions.IfNotModified}
+        )
         with _named(self.url(name), create=version is None):
             return self.blob(name).upload_blob(data, **condition)["etag"]
 
@@ -331,30 +376,35 @@ class AzureStore(StagedStore):
         base = self.folder_key(prefix)
         folders, files = [], {}
         with _named(self.url(prefix)):
-            for item in self.container.walk_blobs(name_starts_with=base or None, delimiter="/",
-                                                  results_per_page=LIST_PAGE):
+            for item in self.container.walk_blobs(
+                name_starts_with=base or None, delimiter="/", results_per_page=LIST_PAGE
+            ):
                 if isinstance(item, BlobPrefix):
-                    folders.append(item.name[len(base):].rstrip("/"))
+                    folders.append(item.name[len(base) :].rstrip("/"))
                 elif not item.name.endswith("/"):  # a folder marker, not an object
-                    files[item.name[len(base):]] = item.size
+                    files[item.name[len(base) :]] = item.size
         return folders, files
 
     def walk(self, prefix: str = "") -> dict[str, int]:
         base, outer = self.folder_key(prefix), f"{prefix.rstrip('/')}/" if prefix else ""
         with _named(self.url(prefix)):
-            return {outer + b.name[len(base):]: b.size for b in
-                    self.container.list_blobs(name_starts_with=base or None, results_per_page=LIST_PAGE)}
+            return {
+                outer + b.name[len(base) :]: b.size
+                for b in self.container.list_blobs(name_starts_with=base or None, results_per_page=LIST_PAGE)
+            }
 
     def delete(self, names: list[str]) -> None:
         """Batches of 256 (Azure's most per batch); absent blobs are not an error."""
         for start in range(0, len(names), 256):
-            chunk = names[start:start + 256]
+            chunk = names[start : start + 256]
             with _named(self.url(chunk[0])):
                 answers = self.container.delete_blobs(*(self.key(n) for n in chunk), raise_on_any_failure=False)
             failed = [(n, a.status_code) for n, a in zip(chunk, answers) if a.status_code not in (202, 404)]
             if failed:
-                raise StorageError(f"{self.url(failed[0][0])}: delete refused ({failed[0][1]}); "
-                                   f"{len(failed)} of {len(chunk)} blobs not deleted")
+                raise StorageError(
+                    f"{self.url(failed[0][0])}: delete refused ({failed[0][1]}); "
+                    f"{len(failed)} of {len(chunk)} blobs not deleted"
+                )
 
     def abort_uploads(self, prefix: str) -> int:
         """Nothing to do, and 0: blocks staged by a dead writer are never visible, are not listed,

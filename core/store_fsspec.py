@@ -35,7 +35,7 @@ from .retry import TransientError, store_limits, with_retries
 from .store import ObjectInfo, StagedStore, read_only_error, scheme_of, whole
 
 
-def open_fsspec(url: str, work_dir: str) -> "FsspecStore":
+def open_fsspec(url: str, work_dir: str) -> FsspecStore:
     import fsspec
 
     scheme = scheme_of(url)
@@ -56,13 +56,17 @@ def _options(scheme: str) -> dict:
     import aiohttp
 
     limits = store_limits()
-    return {"client_kwargs": {"timeout": aiohttp.ClientTimeout(connect=limits.connect_timeout_s,
-                                                               sock_read=limits.read_timeout_s)}}
+    return {
+        "client_kwargs": {
+            "timeout": aiohttp.ClientTimeout(connect=limits.connect_timeout_s, sock_read=limits.read_timeout_s)
+        }
+    }
 
 
 @dataclass
 class FsspecStore(StagedStore):
     """Per rank: one fsspec filesystem per process (a forked worker makes its own)."""
+
     base: str  # the store's URL
     root: str = ""  # the filesystem's path of `base`
     _fs: object = field(default=None, repr=False, compare=False)
@@ -129,9 +133,11 @@ class FsspecStore(StagedStore):
         def fetch() -> bytes:
             data = self.fs.cat_file(self.path(name), start=start, end=end)
             if len(data) > end - start:
-                raise StorageError(f"{self.url(name)}: the server sent {len(data)} bytes for a range of "
-                                   f"{end - start}: it does not answer byte ranges (Range requests), which reading "
-                                   "shards needs")
+                raise StorageError(
+                    f"{self.url(name)}: the server sent {len(data)} bytes for a range of "
+                    f"{end - start}: it does not answer byte ranges (Range requests), which reading "
+                    "shards needs"
+                )
             return whole(data, end - start, start)
 
         data = self._call(fetch, name, f"read bytes {start}-{end} of")
@@ -193,7 +199,7 @@ def _relative(path: str, folder: str) -> str:
     """`path` (as the filesystem lists it: a full URL for HTTP) relative to `folder`."""
     path, folder = path.rstrip("/"), folder.rstrip("/")
     if path.startswith(folder + "/"):
-        return path[len(folder) + 1:]
+        return path[len(folder) + 1 :]
     return path.rsplit("/", 1)[-1]
 
 

@@ -35,22 +35,26 @@ POOL_CONNECTIONS = 32
 BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]")  # Google's rules; a dotted name's parts <= 63
 
 
-def open_gcs(url: str, work_dir: str) -> "GCSStore":
+def open_gcs(url: str, work_dir: str) -> GCSStore:
     try:  # an optional dependency: say how to get it rather than print a traceback
         import google.cloud.storage  # noqa: F401
     except ImportError as e:
-        raise UsageError(f"gs:// stores need the Google Cloud Storage client ({e.name} is missing): "
-                         "pip install 'vitforge[gcs]'") from None
+        raise UsageError(
+            f"gs:// stores need the Google Cloud Storage client ({e.name} is missing): pip install 'vitforge[gcs]'"
+        ) from None
     bucket, prefix = bucket_and_prefix(url)
     if not BUCKET_NAME.fullmatch(bucket) or max(len(part) for part in bucket.split(".")) > 63:
-        raise UsageError(f"{url}: {bucket!r} is not a bucket name (3-63 lower-case letters, digits, '-', '_' and "
-                         "'.', starting and ending with a letter or digit)")
+        raise UsageError(
+            f"{url}: {bucket!r} is not a bucket name (3-63 lower-case letters, digits, '-', '_' and "
+            "'.', starting and ending with a letter or digit)"
+        )
     return GCSStore(bucket, prefix)
 
 
 @dataclass
 class GCSStore(StagedStore):
     """Per rank: one client with a pool of at most 32 connections, created on first use."""
+
     bucket: str
     prefix: str
     _client: object = field(default=None, repr=False)
@@ -96,8 +100,10 @@ class GCSStore(StagedStore):
         except api.PreconditionFailed:
             raise PreconditionFailed(f"{url}: changed by another writer") from None
         except (api.Unauthorized, api.Forbidden) as e:
-            raise StorageError(f"{url}: {e.code} {_reason(e)}: access refused (credentials come from "
-                               "GOOGLE_APPLICATION_CREDENTIALS or Application Default Credentials)") from None
+            raise StorageError(
+                f"{url}: {e.code} {_reason(e)}: access refused (credentials come from "
+                "GOOGLE_APPLICATION_CREDENTIALS or Application Default Credentials)"
+            ) from None
         except DefaultCredentialsError as e:
             raise StorageError(f"{url}: {_credentials_problem(e)}") from None
         except RefreshError as e:
@@ -111,7 +117,7 @@ class GCSStore(StagedStore):
         """Once per store, on the first 404: was it the object or the whole bucket?"""
         try:
             exists = self.client.bucket(self.bucket).exists(**self._call(url, "bucket"))
-        except Exception:  # noqa: BLE001 - we may not read the bucket's metadata: the object's 404 stands
+        except Exception:
             return
         if not exists:
             raise StorageError(f"{url}: no bucket gs://{self.bucket} (create it, or check the URL)")
@@ -143,6 +149,7 @@ class GCSStore(StagedStore):
 
     def get_bytes(self, name: str) -> bytes:
         """The whole object, checked against its stored checksum (a mismatch is fetched again)."""
+
         def fetch() -> bytes:
             with self._named(self.url(name)):
                 return self._blob(name).download_as_bytes(checksum="auto", **self._call(self.url(name), "get"))
@@ -162,8 +169,12 @@ class GCSStore(StagedStore):
         """ifGenerationMatch: 0 when it must be absent, else the generation it was read at."""
         with self._named(self.url(name)):
             blob = self._blob(name)
-            blob.upload_from_string(data, checksum="crc32c", if_generation_match=int(version) if version else 0,
-                                    **self._call(self.url(name), "put"))
+            blob.upload_from_string(
+                data,
+                checksum="crc32c",
+                if_generation_match=int(version) if version else 0,
+                **self._call(self.url(name), "put"),
+            )
         return str(blob.generation)
 
     def stat(self, name: str) -> ObjectInfo:
@@ -186,12 +197,12 @@ class GCSStore(StagedStore):
                 with self._named(url):
                     # The generation in the URL pins the bytes even where ifGenerationMatch on a read is
                     # ignored (fake-gcs-server); GCS then answers 404 for a replaced object.
-                    body = self._blob(name, version).download_as_bytes(start=start, end=end - 1, checksum=None,
-                                                                       **pin, **self._call(url, "get"))
+                    body = self._blob(name, version).download_as_bytes(
+                        start=start, end=end - 1, checksum=None, **pin, **self._call(url, "get")
+                    )
             except FileNotFoundError:
                 if version and self.exists(name):
-                    raise PreconditionFailed(f"{url}: changed by another writer (was generation {version})") \
-                        from None
+                    raise PreconditionFailed(f"{url}: changed by another writer (was generation {version})") from None
                 raise
             return whole(body, end - start, start)
 
@@ -202,21 +213,29 @@ class GCSStore(StagedStore):
         base = self.folder_key(prefix)
         files = {}
         with self._named(self.url(prefix)):
-            pages = self.client.list_blobs(self.bucket, prefix=base, delimiter="/", page_size=LIST_PAGE_KEYS,
-                                           **self._call(self.url(prefix), "list"))
+            pages = self.client.list_blobs(
+                self.bucket,
+                prefix=base,
+                delimiter="/",
+                page_size=LIST_PAGE_KEYS,
+                **self._call(self.url(prefix), "list"),
+            )
             for blob in pages:
                 if not blob.name.endswith("/"):  # a folder marker, not an object
-                    files[blob.name[len(base):]] = blob.size
-            folders = [p[len(base):].rstrip("/") for p in pages.prefixes]
+                    files[blob.name[len(base) :]] = blob.size
+            folders = [p[len(base) :].rstrip("/") for p in pages.prefixes]
         return sorted(folders), files
 
     def walk(self, prefix: str = "") -> dict[str, int]:
         base = self.folder_key(prefix)
         shown = f"{prefix.rstrip('/')}/" if prefix else ""
         with self._named(self.url(prefix)):
-            return {shown + blob.name[len(base):]: blob.size
-                    for blob in self.client.list_blobs(self.bucket, prefix=base, page_size=LIST_PAGE_KEYS,
-                                                       **self._call(self.url(prefix), "list"))}
+            return {
+                shown + blob.name[len(base) :]: blob.size
+                for blob in self.client.list_blobs(
+                    self.bucket, prefix=base, page_size=LIST_PAGE_KEYS, **self._call(self.url(prefix), "list")
+                )
+            }
 
     def delete(self, names: list[str]) -> None:
         for name in names:
@@ -227,7 +246,6 @@ class GCSStore(StagedStore):
         """Nothing to do: an unfinished resumable upload is invisible, costs nothing and GCS drops
         its session after a week by itself."""
         return 0
-
 
 
 def _make_client(store: GCSStore):
@@ -274,13 +292,20 @@ def _retry(what: str, requests: int = 1):
             raise StorageError(f"{what}: failed after {attempts[0]} attempts: {cause}")
         if time.monotonic() >= deadline:
             raise past_deadline(what, attempts[0], cause)
-        log.warning("%s: attempt failed (%d of at most %d failures): %s; %.1f s left before the deadline", what,
-                    attempts[0], allowed, cause, deadline - time.monotonic())
+        log.warning(
+            "%s: attempt failed (%d of at most %d failures): %s; %.1f s left before the deadline",
+            what,
+            attempts[0],
+            allowed,
+            cause,
+            deadline - time.monotonic(),
+        )
 
     # DEFAULT_RETRY's predicate is google's list of what is worth another try (429, 5xx, resets). No
     # timeout of google's own: `failed` gives up at the first failure after our deadline.
-    return Retry(predicate=DEFAULT_RETRY._predicate, initial=0.2, maximum=10, multiplier=2, timeout=None,
-                 on_error=failed)
+    return Retry(
+        predicate=DEFAULT_RETRY._predicate, initial=0.2, maximum=10, multiplier=2, timeout=None, on_error=failed
+    )
 
 
 def _credentials_problem(error: Exception) -> str:
@@ -288,8 +313,10 @@ def _credentials_problem(error: Exception) -> str:
     what is wrong with it when it is set (never its contents), else that none were found."""
     path = os.environ.get("GOOGLE_APPLICATION_CREDENTIALS")
     if not path:
-        return ("no Google credentials found (set GOOGLE_APPLICATION_CREDENTIALS, run `gcloud auth "
-                "application-default login`, or run where a metadata server is)")
+        return (
+            "no Google credentials found (set GOOGLE_APPLICATION_CREDENTIALS, run `gcloud auth "
+            "application-default login`, or run where a metadata server is)"
+        )
     try:
         with open(path, "rb") as f:
             text = f.read()
@@ -300,8 +327,10 @@ def _credentials_problem(error: Exception) -> str:
     try:
         info = json.loads(text)
     except ValueError:
-        return (f"GOOGLE_APPLICATION_CREDENTIALS names {path}, which is not JSON (a service-account key or "
-                "`gcloud auth application-default login`'s file is)")
+        return (
+            f"GOOGLE_APPLICATION_CREDENTIALS names {path}, which is not JSON (a service-account key or "
+            "`gcloud auth application-default login`'s file is)"
+        )
     if not isinstance(info, dict) or "type" not in info:
         return f"GOOGLE_APPLICATION_CREDENTIALS names {path}, a JSON file with no 'type': not a Google credentials file"
     cause = error.__cause__ or error  # google names the file in its own line; the detail is the cause's

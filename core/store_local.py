@@ -3,6 +3,7 @@ filesystem and are renamed into place; compare-and-swap holds an exclusive lock 
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import fcntl
 import hashlib
@@ -15,7 +16,7 @@ from .files import PARTIAL_MARK, atomic_write, create_file, make_folder, replace
 from .store import ObjectInfo, discard_stale, temp_name
 
 
-def open_local(url: str, work_dir: str) -> "LocalStore":
+def open_local(url: str, work_dir: str) -> LocalStore:
     root = os.path.abspath(url.removeprefix("file://"))
     if os.path.exists(root) and not os.path.isdir(root):
         raise UsageError(f"{url}: is a file, not a folder")
@@ -94,8 +95,9 @@ class LocalStore:
             raise _local_error(path, e) from None
         return hashlib.sha256(data).hexdigest()
 
-    def download(self, name: str, local_path: str, part_bytes: int = 16 << 20, threads: int = 8,
-                 length: int | None = None) -> str:
+    def download(
+        self, name: str, local_path: str, part_bytes: int = 16 << 20, threads: int = 8, length: int | None = None
+    ) -> str:
         """Copy to a local file; return the sha256 of what was written (hashed as it is copied).
         A local copy is bound by the disk, not by latency: one sequential pass, no threads."""
         digest = hashlib.sha256()
@@ -145,17 +147,17 @@ class LocalStore:
     def list(self, prefix: str) -> list[str]:
         return sorted(f"{prefix.rstrip('/')}/{n}" if prefix else n for n in self.list_folder(prefix)[1])
 
-    def list_folder(self, prefix: str) -> tuple[list[str], dict[str, int]]:
+    # (builtins.list: in the class body below `def list`, a bare `list` names that method)
+    def list_folder(self, prefix: str) -> tuple[builtins.list[str], dict[str, int]]:
         folder = self.url(prefix)
         folders, files = [], {}
-        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-            with os.scandir(folder) as entries:
-                for entry in entries:
-                    if entry.is_dir():
-                        folders.append(entry.name)
-                    elif PARTIAL_MARK not in entry.name and not entry.name.endswith(".lock"):
-                        with contextlib.suppress(FileNotFoundError):
-                            files[entry.name] = entry.stat().st_size
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError), os.scandir(folder) as entries:
+            for entry in entries:
+                if entry.is_dir():
+                    folders.append(entry.name)
+                elif PARTIAL_MARK not in entry.name and not entry.name.endswith(".lock"):
+                    with contextlib.suppress(FileNotFoundError):
+                        files[entry.name] = entry.stat().st_size
         return sorted(folders), files
 
     def walk(self, prefix: str = "") -> dict[str, int]:
@@ -173,7 +175,7 @@ class LocalStore:
                     continue  # deleted while we walked
         return found
 
-    def delete(self, names: list[str]) -> None:
+    def delete(self, names: builtins.list[str]) -> None:
         for name in names:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.url(name))
@@ -239,5 +241,3 @@ def _fsync(path: str) -> None:
 
 def _local_error(path: str, e: OSError) -> StorageError:
     return StorageError(f"{path}: {e.strerror or e}")
-
-

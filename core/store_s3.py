@@ -25,7 +25,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from .errors import PreconditionFailed, StorageError
-from .retry import StoreLimits, TransientError, current_operation, past_deadline, store_limits, with_retries, with_retries_if_present
+from .retry import (
+    StoreLimits,
+    TransientError,
+    current_operation,
+    past_deadline,
+    store_limits,
+    with_retries,
+    with_retries_if_present,
+)
 from .store import UPLOAD_THREADS, ObjectInfo, StagedStore, bucket_and_prefix, whole
 
 log = logging.getLogger("vitforge.store")
@@ -41,21 +49,40 @@ UNSIGNED_BODIES_OVER_TLS = {"s3": {"payload_signing_enabled": False}}
 MAX_PARTS = 10_000  # S3's most parts in one multipart upload
 
 
-def open_s3(url: str, work_dir: str) -> "S3Store":
+def open_s3(url: str, work_dir: str) -> S3Store:
     return S3Store(*bucket_and_prefix(url))
 
 
-TRANSIENT_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
-                   "InternalError", "ServiceUnavailable", "500", "502", "503", "504"}
+TRANSIENT_CODES = {
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "RequestTimeout",
+    "RequestTimeTooSkewed",
+    "InternalError",
+    "ServiceUnavailable",
+    "500",
+    "502",
+    "503",
+    "504",
+}
 
 
 @contextlib.contextmanager
 def _named(url: str):
     """botocore's errors name the endpoint, not the object: say which s3:// URL failed, and why,
     in one line, without any credential."""
-    from botocore.exceptions import (BotoCoreError, ClientError, ConnectionClosedError, ConnectTimeoutError,
-                                     EndpointConnectionError, IncompleteReadError, NoCredentialsError,
-                                     ReadTimeoutError, ResponseStreamingError)
+    from botocore.exceptions import (
+        BotoCoreError,
+        ClientError,
+        ConnectionClosedError,
+        ConnectTimeoutError,
+        EndpointConnectionError,
+        IncompleteReadError,
+        NoCredentialsError,
+        ReadTimeoutError,
+        ResponseStreamingError,
+    )
 
     try:
         yield
@@ -70,8 +97,10 @@ def _named(url: str):
             raise TransientError(f"{url}: {code}: {error.get('Message', '')}") from None
         raise StorageError(f"{url}: {code}: {error.get('Message') or 'request refused'}") from None
     except NoCredentialsError:
-        raise StorageError(f"{url}: no AWS credentials found (set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
-                           "AWS_PROFILE, or an instance role)") from None
+        raise StorageError(
+            f"{url}: no AWS credentials found (set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
+            "AWS_PROFILE, or an instance role)"
+        ) from None
     except (EndpointConnectionError, ConnectTimeoutError) as e:
         raise StorageError(f"{url}: {e} (after botocore's retries)") from None
     except (ResponseStreamingError, IncompleteReadError, ConnectionClosedError, ReadTimeoutError) as e:
@@ -106,8 +135,14 @@ def bound_requests(events, limits: StoreLimits) -> None:
         if time.monotonic() >= bound.deadline:
             raise past_deadline(where, attempts, error)
         if attempts < limits.attempts:
-            log.warning("%s: attempt %d/%d failed: %s; %.1f s left before the deadline", where, attempts,
-                        limits.attempts, error, bound.deadline - time.monotonic())
+            log.warning(
+                "%s: attempt %d/%d failed: %s; %.1f s left before the deadline",
+                where,
+                attempts,
+                limits.attempts,
+                error,
+                bound.deadline - time.monotonic(),
+            )
         return None
 
     events.register("before-parameter-build.s3", start, unique_id="vitforge-bound-start")
@@ -192,8 +227,7 @@ class S3Store(StagedStore):
             data = os.pread(fd, length, start)
             if len(data) != length:
                 raise StorageError(f"{self.url(name)}: the local file shrank while it was uploaded")
-            answer = self.client.upload_part(Bucket=self.bucket, Key=key, UploadId=upload, PartNumber=number,
-                                             Body=data)
+            answer = self.client.upload_part(Bucket=self.bucket, Key=key, UploadId=upload, PartNumber=number, Body=data)
             return data, {"PartNumber": number, "ETag": answer["ETag"]}
 
         try:
@@ -208,8 +242,9 @@ class S3Store(StagedStore):
                     following = next(starts, None)
                     if following is not None:
                         pending.append(pool.submit(part, *following))
-            self.client.complete_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload,
-                                                  MultipartUpload={"Parts": parts})
+            self.client.complete_multipart_upload(
+                Bucket=self.bucket, Key=key, UploadId=upload, MultipartUpload={"Parts": parts}
+            )
         except BaseException:
             with contextlib.suppress(Exception):  # what cannot be aborted now, clean_incomplete aborts later
                 self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload)
@@ -256,8 +291,9 @@ class S3Store(StagedStore):
 
         def fetch() -> bytes:
             with _named(url):
-                response = self.client.get_object(Bucket=self.bucket, Key=self.key(name),
-                                                  Range=f"bytes={start}-{end - 1}", **pin)
+                response = self.client.get_object(
+                    Bucket=self.bucket, Key=self.key(name), Range=f"bytes={start}-{end - 1}", **pin
+                )
                 body = response["Body"].read()
             return whole(body, end - start, start)
 
@@ -270,11 +306,13 @@ class S3Store(StagedStore):
         folders, files = [], {}
         with _named(self.url(prefix)):
             pages = self.client.get_paginator("list_objects_v2").paginate(
-                Bucket=self.bucket, Prefix=base, Delimiter="/", PaginationConfig={"PageSize": LIST_PAGE_KEYS})
+                Bucket=self.bucket, Prefix=base, Delimiter="/", PaginationConfig={"PageSize": LIST_PAGE_KEYS}
+            )
             for page in pages:
-                folders += [p["Prefix"][len(base):].rstrip("/") for p in page.get("CommonPrefixes", [])]
-                files.update({o["Key"][len(base):]: o["Size"] for o in page.get("Contents", [])
-                              if not o["Key"].endswith("/")})  # a folder marker, not an object
+                folders += [p["Prefix"][len(base) :].rstrip("/") for p in page.get("CommonPrefixes", [])]
+                files.update(
+                    {o["Key"][len(base) :]: o["Size"] for o in page.get("Contents", []) if not o["Key"].endswith("/")}
+                )  # a folder marker, not an object
         return folders, files
 
     def walk(self, prefix: str = "") -> dict[str, int]:
@@ -282,12 +320,12 @@ class S3Store(StagedStore):
         found = {}
         with _named(self.url(prefix)):
             for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base):
-                found.update({shown + o["Key"][len(base):]: o["Size"] for o in page.get("Contents", [])})
+                found.update({shown + o["Key"][len(base) :]: o["Size"] for o in page.get("Contents", [])})
         return found
 
     def delete(self, names: list[str]) -> None:
         for start in range(0, len(names), 1000):
-            chunk = [{"Key": self.key(n)} for n in names[start:start + 1000]]
+            chunk = [{"Key": self.key(n)} for n in names[start : start + 1000]]
             with _named(self.url(names[start])):
                 self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": chunk, "Quiet": True})
 
@@ -296,10 +334,12 @@ class S3Store(StagedStore):
         aborted = 0
         with _named(self.url(prefix)):
             pages = self.client.get_paginator("list_multipart_uploads").paginate(
-                Bucket=self.bucket, Prefix=self.key(prefix).rstrip("/") + "/")
+                Bucket=self.bucket, Prefix=self.key(prefix).rstrip("/") + "/"
+            )
             for page in pages:
                 for upload in page.get("Uploads", []):
-                    self.client.abort_multipart_upload(Bucket=self.bucket, Key=upload["Key"],
-                                                       UploadId=upload["UploadId"])
+                    self.client.abort_multipart_upload(
+                        Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"]
+                    )
                     aborted += 1
         return aborted

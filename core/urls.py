@@ -44,15 +44,21 @@ def check_store_url(url: str) -> None:
         return
     authority, _, path = rest.partition("/")
     if "?" in rest or "#" in rest:
-        raise UsageError(f"{masked(url)}: a store URL takes no query string or fragment (?..., #...): credentials never come from "
-                         "a URL; give them to the store's standard chain (environment, credential files, role)")
+        raise UsageError(
+            f"{masked(url)}: a store URL takes no query string or fragment (?..., #...): credentials never come from "
+            "a URL; give them to the store's standard chain (environment, credential files, role)"
+        )
     userinfo, at, _ = authority.rpartition("@")
     if at and ":" in userinfo:
-        raise UsageError(f"{masked(url)}: a store URL takes no user or password (...@): credentials never come "
-                         "from a URL; give them to the store's standard chain (environment, credential files, role)")
+        raise UsageError(
+            f"{masked(url)}: a store URL takes no user or password (...@): credentials never come "
+            "from a URL; give them to the store's standard chain (environment, credential files, role)"
+        )
     if any(segment in (".", "..") for segment in path.split("/")):
-        raise UsageError(f"{masked(url)}: a store URL takes no '.' or '..' path segment (an object store would "
-                         "keep it as part of the name): write the path it means")
+        raise UsageError(
+            f"{masked(url)}: a store URL takes no '.' or '..' path segment (an object store would "
+            "keep it as part of the name): write the path it means"
+        )
 
 
 def check_no_userinfo(url: str, what: str, instead: str, error: type[UsageError] = UsageError) -> None:

@@ -3,13 +3,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Generator, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterator
+from typing import TypeVar
 
 import torch
 
+T = TypeVar("T")
+B = TypeVar("B", bound=Mapping[str, object])  # a batch: a dict of tensors (pipeline's Batch)
 
-def read_ahead(items: Iterator) -> Iterator:
+
+def read_ahead(items: Iterator[T]) -> Generator[T, None, None]:
     """The same items, each produced in one thread while the previous one is consumed; closing
     this closes `items` too (in the consumer's thread, once the producing thread is idle)."""
     try:
@@ -22,8 +26,9 @@ def read_ahead(items: Iterator) -> Iterator:
         getattr(items, "close", lambda: None)()
 
 
-def copy_ahead(batches: Iterator[dict], move: Callable[[dict], dict],
-               stream: "torch.cuda.Stream | None" = None) -> Iterator[dict]:
+def copy_ahead(
+    batches: Iterator[B], move: Callable[[B], B], stream: torch.cuda.Stream | None = None
+) -> Generator[B, None, None]:
     """Each batch moved (`move`: host-to-device copy from pinned memory, normalisation) one batch
     ahead of the consumer. With a CUDA `stream`, the moves run on it, so batch i+1's copy overlaps
     the consumer's kernels for batch i; before the consumer gets a batch, its stream waits for the
@@ -42,7 +47,7 @@ def copy_ahead(batches: Iterator[dict], move: Callable[[dict], dict],
         yield _ready(pending, stream)
 
 
-def _ready(batch: dict, stream: "torch.cuda.Stream | None") -> dict:
+def _ready(batch: B, stream: torch.cuda.Stream | None) -> B:
     if stream is not None:
         consumer = torch.cuda.current_stream(stream.device)
         consumer.wait_stream(stream)

@@ -34,8 +34,9 @@ def uniforms(seed: int, epoch: int, positions: np.ndarray, count: int, stream: i
     return (bits >> np.uint64(11)).astype(np.float64) * 2.0**-53
 
 
-def crop_windows(widths: np.ndarray, heights: np.ndarray, positions: np.ndarray, spec: LoaderSpec,
-                 epoch: int) -> Windows:
+def crop_windows(
+    widths: np.ndarray, heights: np.ndarray, positions: np.ndarray, spec: LoaderSpec, epoch: int
+) -> Windows:
     width, height = widths.astype(np.float64), heights.astype(np.float64)
     if not spec.train:
         resized_short = int(spec.image_size / spec.eval_crop_fraction)
@@ -45,7 +46,7 @@ def crop_windows(widths: np.ndarray, heights: np.ndarray, positions: np.ndarray,
     area = (width * height)[:, None]
     target = area * (spec.scale[0] + (spec.scale[1] - spec.scale[0]) * u[:, :TRIES])
     log_lo, log_hi = np.log(spec.ratio[0]), np.log(spec.ratio[1])
-    aspect = np.exp(log_lo + (log_hi - log_lo) * u[:, TRIES:2 * TRIES])
+    aspect = np.exp(log_lo + (log_hi - log_lo) * u[:, TRIES : 2 * TRIES])
     w = np.round(np.sqrt(target * aspect))
     h = np.round(np.sqrt(target / aspect))
     ok = (w > 0) & (w <= width[:, None]) & (h > 0) & (h <= height[:, None])

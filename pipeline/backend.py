@@ -11,9 +11,10 @@ backend; value: "module:factory" of a backend that reads a dataset).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import TYPE_CHECKING, Callable, Iterator, Protocol, TypedDict, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, TypedDict, runtime_checkable
 
 from vitforge.core import UsageError, registry
 
@@ -50,16 +51,27 @@ class Batch(TypedDict):
     local shards), shard-cache "opens" and "fetches"; empty for synthetic data."""
 
 
-def make_batch(image: torch.Tensor, label: torch.Tensor, position: np.ndarray, real: np.ndarray | None = None,
-               key: list[str] | None = None, bad: list[str] | None = None,
-               reads: dict[str, int] | None = None) -> Batch:
+def make_batch(
+    image: torch.Tensor,
+    label: torch.Tensor,
+    position: np.ndarray,
+    real: np.ndarray | None = None,
+    key: list[str] | None = None,
+    bad: list[str] | None = None,
+    reads: dict[str, int] | None = None,
+) -> Batch:
     """The one place a Batch is built. `real` None: every sample is real."""
     import torch
 
-    return Batch(image=image, label=label,
-                 real=torch.ones(len(label), dtype=torch.bool) if real is None else torch.from_numpy(real),
-                 key=[] if key is None else key, position=torch.from_numpy(position),
-                 bad=[] if bad is None else bad, reads={} if reads is None else reads)
+    return Batch(
+        image=image,
+        label=label,
+        real=torch.ones(len(label), dtype=torch.bool) if real is None else torch.from_numpy(real),
+        key=[] if key is None else key,
+        position=torch.from_numpy(position),
+        bad=[] if bad is None else bad,
+        reads={} if reads is None else reads,
+    )
 
 
 @runtime_checkable
@@ -72,8 +84,9 @@ class Backend(Protocol):
     index: DatasetIndex | None
     """The index it reads; the loader may swap in a re-ranked subset when it resumes an old state."""
 
-    def batches(self, epoch: int, rank_slice: RankSlice) -> Iterator[Batch]:
-        """This rank's batches of `epoch`, from the slice's position to its end, in order."""
+    def batches(self, epoch: int, rank_slice: RankSlice) -> Generator[Batch, None, None]:
+        """This rank's batches of `epoch`, from the slice's position to its end, in order (a generator:
+        the loader closes it to drop what it decoded ahead)."""
 
 
 Factory = Callable[["LoaderSpec", "DatasetIndex | None", "torch.device", int], Backend]
@@ -99,6 +112,7 @@ _backends: dict[str, Registered | Factory | str] = {
 
 def register_backend(name: str, reads_dataset: bool = True, clobber: bool = False) -> Callable[[Factory], Factory]:
     """Decorator: make `factory` the backend `name` (for data.backend / LoaderSpec.backend)."""
+
     def add(factory: Factory) -> Factory:
         if name == "auto":
             raise UsageError("'auto' chooses among the registered backends; it cannot be one")
@@ -106,6 +120,7 @@ def register_backend(name: str, reads_dataset: bool = True, clobber: bool = Fals
             raise UsageError(f"loader backend {name!r} is already registered (pass clobber=True to replace it)")
         _backends[name] = Registered(factory, reads_dataset)
         return factory
+
     return add
 
 
@@ -132,8 +147,9 @@ def check_backend_name(name: str) -> None:
 
 
 def _unknown(name: str) -> Callable[[list[str]], UsageError]:
-    return lambda known: UsageError(f"backend must be auto or a registered loader backend ({', '.join(known)}), "
-                                    f"not {name!r}")
+    return lambda known: UsageError(
+        f"backend must be auto or a registered loader backend ({', '.join(known)}), not {name!r}"
+    )
 
 
 class SyntheticBackend:
@@ -141,7 +157,7 @@ class SyntheticBackend:
     one batch of images and labels, made once."""
 
     name = "synthetic"
-    index = None
+    index: DatasetIndex | None = None
 
     def __init__(self, spec: LoaderSpec, num_classes: int, device: torch.device):
         import torch
@@ -151,11 +167,11 @@ class SyntheticBackend:
         self.images = torch.randn(shape, generator=generator).to(device, getattr(torch, spec.dtype))
         self.labels = torch.randint(0, num_classes, (spec.batch_size,), generator=generator).to(device)
 
-    def batches(self, epoch: int, rank_slice: RankSlice) -> Iterator[Batch]:
+    def batches(self, epoch: int, rank_slice: RankSlice) -> Generator[Batch, None, None]:
         for batch in range(rank_slice.num_batches):
             yield make_batch(self.images, self.labels, rank_slice.positions(batch))
 
 
 @register_backend("synthetic", reads_dataset=False)
-def _synthetic(spec: LoaderSpec, index: None, device: torch.device, num_classes: int) -> Backend:
+def _synthetic(spec: LoaderSpec, index: DatasetIndex | None, device: torch.device, num_classes: int) -> Backend:
     return SyntheticBackend(spec, num_classes, device)

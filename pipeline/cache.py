@@ -57,8 +57,8 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from vitforge.core import LocalWriteError, StorageError, Store, local_write_error, open_store
 
@@ -84,17 +84,22 @@ class CacheSpec:
 def cache_spec(spec: LoaderSpec, node: int) -> CacheSpec:
     """This node's cache folder for the spec's dataset: ROOT/nodeN/DATASET-HASH. The node number
     keeps nodes apart even when their ranks run on one host (a test, or a shared temp folder)."""
-    root = spec.cache_dir or os.environ.get("VITFORGE_CACHE_DIR") or os.path.join(tempfile.gettempdir(),
-                                                                                "vitforge-cache")
+    root = (
+        spec.cache_dir or os.environ.get("VITFORGE_CACHE_DIR") or os.path.join(tempfile.gettempdir(), "vitforge-cache")
+    )
     dataset = hashlib.sha1(spec.dataset.encode()).hexdigest()[:12]
-    return CacheSpec(os.path.join(root, f"node{node}", dataset), int(spec.cache_gb * 1e9),
-                     int(spec.read_block_mb * 2**20),
-                     spec.shards_ahead)
+    return CacheSpec(
+        os.path.join(root, f"node{node}", dataset),
+        int(spec.cache_gb * 1e9),
+        int(spec.read_block_mb * 2**20),
+        spec.shards_ahead,
+    )
 
 
 @dataclass(frozen=True)
 class CacheFootprint:
     """A node's shard cache under its bound, as `cache_footprint` works it out."""
+
     shards: int  # whole shards the bound holds
     ahead: int  # shards each reader really fetches ahead of those it holds open
     working_bytes: int  # what the readers hold open plus what they fetch ahead, node-wide
@@ -102,8 +107,9 @@ class CacheFootprint:
     streams: bool  # the bound cannot hold the shards every reader has open: some are read from the store
 
 
-def cache_footprint(shard_bytes: int, ranks_per_node: int, ahead: int, limit_bytes: int, *,
-                    open_shards: int = 1) -> CacheFootprint:
+def cache_footprint(
+    shard_bytes: int, ranks_per_node: int, ahead: int, limit_bytes: int, *, open_shards: int = 1
+) -> CacheFootprint:
     """The rule ShardCache follows, for shards of (at most) `shard_bytes`, `ranks_per_node` readers
     each holding `open_shards` open (1 + the shards a rank's shuffle window spans, when it spans
     several) and asking for `ahead` more, within `limit_bytes`. Open shards are never evicted, and a
@@ -111,9 +117,11 @@ def cache_footprint(shard_bytes: int, ranks_per_node: int, ahead: int, limit_byt
     the whole shards left per reader after the open ones, at most `ahead`. A rank's loader workers read
     the same shards, so they count as one reader."""
     if shard_bytes <= 0 or ranks_per_node < 1 or ahead < 0 or limit_bytes <= 0 or open_shards < 1:
-        raise ValueError(f"cache_footprint needs shard_bytes > 0, ranks_per_node >= 1, ahead >= 0, limit_bytes > 0 "
-                         f"and open_shards >= 1, not {shard_bytes}, {ranks_per_node}, {ahead}, {limit_bytes}, "
-                         f"{open_shards}")
+        raise ValueError(
+            f"cache_footprint needs shard_bytes > 0, ranks_per_node >= 1, ahead >= 0, limit_bytes > 0 "
+            f"and open_shards >= 1, not {shard_bytes}, {ranks_per_node}, {ahead}, {limit_bytes}, "
+            f"{open_shards}"
+        )
     shards = limit_bytes // shard_bytes
     spare = shards // ranks_per_node - open_shards
     really = max(0, min(ahead, spare))
@@ -146,6 +154,7 @@ def locked(path: str, blocking: bool = True):
 @dataclass
 class ShardFile:
     """A cached (or local) shard, read by offset."""
+
     fd: int
 
     def pread(self, length: int, offset: int) -> bytes:
@@ -219,8 +228,12 @@ class ShardCache:
                 return fd
             evicted = _remove(final)
             if evicted:
-                log.warning("shard cache: %s is not what its fetch checked (changed since, or never checked); "
-                            "removed, fetching %s again", final, url)
+                log.warning(
+                    "shard cache: %s is not what its fetch checked (changed since, or never checked); "
+                    "removed, fetching %s again",
+                    final,
+                    url,
+                )
             if self._disk_full:
                 return None
             partial = final + PARTIAL
@@ -231,13 +244,7 @@ class ShardCache:
                 self._no_room(url, length, now)
                 return None
             try:
-                store, key = self._store_for(url)
-                digest = store.download(key, partial, part_bytes=self.spec.block_bytes,
-                                        threads=max(1, min(8, -(-length // self.spec.block_bytes))), length=length)
-                if sha256 is not None and digest != sha256:
-                    again = " (fetched again after the cached copy failed its check)" if evicted else ""
-                    raise StorageError(f"{url}: the object differs from dataset.json (its first {length} bytes hash "
-                                       f"to {digest}, not {sha256}); not cached as {final}{again}")
+                self._download_checked(url, length, sha256, partial, final, evicted)
                 fd = os.open(partial, os.O_RDONLY)  # the inode, whatever removes the name
                 if now:
                     fcntl.flock(fd, fcntl.LOCK_SH)  # held before it has a name that eviction sees
@@ -253,8 +260,13 @@ class ShardCache:
                 with self._lock:  # the prefetch thread and the reader's may both meet the full disk
                     first, self._disk_full = not self._disk_full, True
                 if first:
-                    log.warning("shard cache %s: cannot hold %s: %s; reading the shards it does not hold from "
-                                "the store instead (ranged GETs of a few samples each, slower)", self.spec.folder, url, e)
+                    log.warning(
+                        "shard cache %s: cannot hold %s: %s; reading the shards it does not hold from "
+                        "the store instead (ranged GETs of a few samples each, slower)",
+                        self.spec.folder,
+                        url,
+                        e,
+                    )
                 return None
             finally:
                 with contextlib.suppress(FileNotFoundError):
@@ -263,6 +275,26 @@ class ShardCache:
                 self.fetches += 1
                 self.bytes_fetched += length
             return fd
+
+    def _download_checked(
+        self, url: str, length: int, sha256: str | None, partial: str, final: str, evicted: bool
+    ) -> None:
+        """The shard's first `length` bytes into `partial`, in parallel ranged GETs, checked against
+        its sha256 when dataset.json gives one (`evicted`: a cached copy failed that check)."""
+        store, key = self._store_for(url)
+        digest = store.download(
+            key,
+            partial,
+            part_bytes=self.spec.block_bytes,
+            threads=max(1, min(8, -(-length // self.spec.block_bytes))),
+            length=length,
+        )
+        if sha256 is not None and digest != sha256:
+            again = " (fetched again after the cached copy failed its check)" if evicted else ""
+            raise StorageError(
+                f"{url}: the object differs from dataset.json (its first {length} bytes hash "
+                f"to {digest}, not {sha256}); not cached as {final}{again}"
+            )
 
     def _count_bytes(self, n: int) -> None:
         with self._lock:
@@ -324,10 +356,15 @@ class ShardCache:
             self.streamed += 1
             first, self._warned = not self._warned, True
         if first:
-            log.warning("shard cache %s: no room for %s (%.2f GB) within its %.2f GB limit (data.cache_gb): the "
-                        "shards readers hold open fill it; reading it from the store instead (ranged GETs of a "
-                        "few samples each, slower). Raise data.cache_gb or lower data.shards_ahead.", self.spec.folder, url,
-                        length / 1e9, self.spec.limit_bytes / 1e9)
+            log.warning(
+                "shard cache %s: no room for %s (%.2f GB) within its %.2f GB limit (data.cache_gb): the "
+                "shards readers hold open fill it; reading it from the store instead (ranged GETs of a "
+                "few samples each, slower). Raise data.cache_gb or lower data.shards_ahead.",
+                self.spec.folder,
+                url,
+                length / 1e9,
+                self.spec.limit_bytes / 1e9,
+            )
 
     def _partial_size_or_discard(self, entry: os.DirEntry) -> int:
         """A partial file whose lock nobody holds is a dead fetch's: removed. Else the bytes it will

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class CacheDemand:
     """What one source asks of a node's cache."""
+
     weight: float  # its weight in the mixture (any positive scale)
     samples: int  # its samples: its reads per cached byte go as weight / samples
     node_bytes: float  # what one node reads of it in a pass (math.inf when unknown; 0: it reads no cache)

@@ -40,7 +40,7 @@ def measure(spec: LoaderSpec, steps: int, warmup: int, device: str) -> dict:
     loader = build_loader(spec, device=device)
     done, start, cpu_start = 0, None, None
     while done < warmup + steps:
-        for batch in loader:
+        for batch in loader:  # noqa: B007 - only held until `del batch` frees it below
             if done == warmup:
                 if device.startswith("cuda"):
                     torch.cuda.synchronize()
@@ -55,12 +55,18 @@ def measure(spec: LoaderSpec, steps: int, warmup: int, device: str) -> dict:
     images = steps * spec.batch_size
     # Reads over every batch, warm-up included: shards are fetched whole, ahead of the batches that need them.
     delivered, reads = done * spec.batch_size, loader.reads
-    return {"images_per_s": images / elapsed, "cpu_ms_per_image": 1000 * cpu / images,
-            "requests_per_1000_images": 1000 * reads["requests"] / delivered,
-            "bytes_per_image": reads["bytes"] / delivered,
-            "images_read": delivered, "shard_opens": reads["opens"], "shard_fetches": reads["fetches"],
-            "images_per_cpu_s": images / cpu if cpu else float("inf"), "seconds": elapsed,
-            "backend": loader.backend.name}
+    return {
+        "images_per_s": images / elapsed,
+        "cpu_ms_per_image": 1000 * cpu / images,
+        "requests_per_1000_images": 1000 * reads["requests"] / delivered,
+        "bytes_per_image": reads["bytes"] / delivered,
+        "images_read": delivered,
+        "shard_opens": reads["opens"],
+        "shard_fetches": reads["fetches"],
+        "images_per_cpu_s": images / cpu if cpu else float("inf"),
+        "seconds": elapsed,
+        "backend": loader.backend.name,
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -71,29 +77,50 @@ def main(argv: list[str]) -> int:
     p.add_argument("--steps", type=positive_int, default=50, help="timed batches (default 50)")
     p.add_argument("--warmup", type=non_negative_int, default=5, help="batches before timing starts (default 5)")
     p.add_argument("--image-size", type=bounded(int, low=8), default=224)
-    p.add_argument("--workers", type=non_negative_int, default=len(os.sched_getaffinity(0)),
-                   help="decode processes (torch) or threads (DALI); default: CPUs available")
+    p.add_argument(
+        "--workers",
+        type=non_negative_int,
+        default=len(os.sched_getaffinity(0)),
+        help="decode processes (torch) or threads (DALI); default: CPUs available",
+    )
     p.add_argument("--eval", action="store_true", help="eval transform (resize + centre crop) instead of train")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--cache-dir", help="s3:// datasets: the node's shard cache folder (default: $VITFORGE_CACHE_DIR, "
-                                       "else the temp folder); a second run finds the shards there")
+    p.add_argument(
+        "--cache-dir",
+        help="s3:// datasets: the node's shard cache folder (default: $VITFORGE_CACHE_DIR, "
+        "else the temp folder); a second run finds the shards there",
+    )
     p.add_argument("--cache-gb", type=positive_float, default=32.0, help="shard cache size limit (default 32)")
     p.add_argument("--read-block-mb", type=positive_float, default=16, help="bytes per ranged GET, in MiB (default 16)")
     args = p.parse_args(argv)
     setup_logging()
-    spec = LoaderSpec(args.dataset, batch_size=args.batch, image_size=args.image_size, train=not args.eval,
-                      backend=args.backend, workers=args.workers, cache_dir=args.cache_dir, cache_gb=args.cache_gb,
-                      read_block_mb=args.read_block_mb)
+    spec = LoaderSpec(
+        args.dataset,
+        batch_size=args.batch,
+        image_size=args.image_size,
+        train=not args.eval,
+        backend=args.backend,
+        workers=args.workers,
+        cache_dir=args.cache_dir,
+        cache_gb=args.cache_gb,
+        read_block_mb=args.read_block_mb,
+    )
     result = measure(spec, args.steps, args.warmup, args.device)
     chosen = result["backend"] + (" (chosen by auto)" if args.backend == "auto" else "")
-    print(f"{chosen} on {args.device}: {result['images_per_s']:.0f} images/s, "
-          f"{result['cpu_ms_per_image']:.2f} CPU-ms per image "
-          f"({result['images_per_cpu_s']:.0f} images per CPU-second), "
-          f"batch {args.batch} x {args.steps} steps, {args.image_size} px, {args.workers} workers")
+    print(
+        f"{chosen} on {args.device}: {result['images_per_s']:.0f} images/s, "
+        f"{result['cpu_ms_per_image']:.2f} CPU-ms per image "
+        f"({result['images_per_cpu_s']:.0f} images per CPU-second), "
+        f"batch {args.batch} x {args.steps} steps, {args.image_size} px, {args.workers} workers"
+    )
     if is_remote(args.dataset):
         opens, fetches = result["shard_opens"], result["shard_fetches"]
-        print(f"object store: {result['requests_per_1000_images']:.0f} GETs per 1,000 images, "
-              f"{result['bytes_per_image'] / 1024:.1f} KiB read per image, over {result['images_read']} images")
-        print(f"shard cache: {opens} shard opens, {fetches} fetched, cache hit rate "
-              f"{100 * (1 - fetches / opens) if opens else 0:.0f}%")
+        print(
+            f"object store: {result['requests_per_1000_images']:.0f} GETs per 1,000 images, "
+            f"{result['bytes_per_image'] / 1024:.1f} KiB read per image, over {result['images_read']} images"
+        )
+        print(
+            f"shard cache: {opens} shard opens, {fetches} fetched, cache hit rate "
+            f"{100 * (1 - fetches / opens) if opens else 0:.0f}%"
+        )
     return 0

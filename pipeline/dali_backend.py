@@ -21,7 +21,8 @@ from __future__ import annotations
 import io
 import logging
 from collections import deque
-from typing import Iterator
+from collections.abc import Generator, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -57,8 +58,12 @@ class Feed:
         w, h = raw.widths.astype(np.float64), raw.heights.astype(np.float64)
         anchor = np.stack([win.x / w, win.y / h], axis=1).astype(np.float32)
         shape = np.stack([win.w / w, win.h / h], axis=1).astype(np.float32)
-        inputs = ([np.frombuffer(d, np.uint8) for d in raw.images], list(anchor), list(shape),
-                  list(win.flip.astype(np.int32)))
+        inputs: tuple[list, ...] = (
+            [np.frombuffer(d, np.uint8) for d in raw.images],
+            list(anchor),
+            list(shape),
+            list(win.flip.astype(np.int32)),
+        )
         if self.augmenting:
             inputs += (list(raw.augment_ops), list(raw.augment_negate))
         return inputs
@@ -72,25 +77,48 @@ def _graph(spec: LoaderSpec, device_id: int | None, feed: Feed, overlap: bool):
     count = 6 if augmenting else 4
 
     # Conditionals let each sample of a batch take its own RandAugment operation.
-    @pipeline_def(batch_size=spec.batch_size, num_threads=max(spec.workers, 1), device_id=device_id,
-                  prefetch_queue_depth=spec.prefetch if overlap else 1, exec_async=overlap, exec_pipelined=overlap,
-                  enable_conditionals=augmenting)
+    @pipeline_def(
+        batch_size=spec.batch_size,
+        num_threads=max(spec.workers, 1),
+        device_id=device_id,
+        prefetch_queue_depth=spec.prefetch if overlap else 1,
+        exec_async=overlap,
+        exec_pipelined=overlap,
+        enable_conditionals=augmenting,
+    )
     def graph():
         inputs = fn.external_source(
-            source=feed, num_outputs=count, batch=True,
+            source=feed,
+            num_outputs=count,
+            batch=True,
             dtype=[types.UINT8, types.FLOAT, types.FLOAT, types.INT32, types.INT32, types.INT32][:count],
-            ndim=[1, 1, 1, 0, 1, 1][:count])
+            ndim=[1, 1, 1, 0, 1, 1][:count],
+        )
         jpegs, anchor, shape, flip = inputs[:4]
         decoder_args = {"hw_decoder_load": spec.hw_decoder_load} if mixed else {}
-        images = fn.decoders.image_slice(jpegs, anchor, shape, device="mixed" if mixed else "cpu",
-                                         output_type=types.RGB, adjust_orientation=False, **decoder_args)
-        images = fn.resize(images, resize_x=spec.image_size, resize_y=spec.image_size,
-                           interp_type=types.INTERP_LINEAR, antialias=True)
+        images = fn.decoders.image_slice(
+            jpegs,
+            anchor,
+            shape,
+            device="mixed" if mixed else "cpu",
+            output_type=types.RGB,
+            adjust_orientation=False,
+            **decoder_args,
+        )
+        images = fn.resize(
+            images, resize_x=spec.image_size, resize_y=spec.image_size, interp_type=types.INTERP_LINEAR, antialias=True
+        )
         mirror = flip
         if augmenting:
-            images, mirror = _randaugment(images, flip, *inputs[4:], spec), 0
-        return fn.crop_mirror_normalize(images, mirror=mirror, dtype=types.FLOAT, output_layout="CHW",
-                                        mean=[255 * m for m in spec.mean], std=[255 * s for s in spec.std])
+            images, mirror = _randaugment(images, flip, inputs[4], inputs[5], spec), 0
+        return fn.crop_mirror_normalize(
+            images,
+            mirror=mirror,
+            dtype=types.FLOAT,
+            output_layout="CHW",
+            mean=[255 * m for m in spec.mean],
+            std=[255 * s for s in spec.std],
+        )
 
     pipe = graph()
     pipe.build()
@@ -105,10 +133,16 @@ def _randaugment(images, flip, ops, negate, spec: LoaderSpec):
     images = fn.flip(images, horizontal=flip)
     suite = randaugment.dali_suite()
     for level in range(spec.randaugment[0]):
-        images = select(suite, ops[level], data=images, num_magnitude_bins=randaugment.BINS,
-                        magnitude_bin=signed_bin(spec.randaugment[1], negate[level]),
-                        shape=(spec.image_size, spec.image_size), fill_value=randaugment.FILL,
-                        interp_type=types.INTERP_LINEAR)
+        images = select(
+            suite,
+            ops[level],
+            data=images,
+            num_magnitude_bins=randaugment.BINS,
+            magnitude_bin=signed_bin(spec.randaugment[1], negate[level]),
+            shape=(spec.image_size, spec.image_size),
+            fill_value=randaugment.FILL,
+            interp_type=types.INTERP_LINEAR,
+        )
     return images
 
 
@@ -116,7 +150,7 @@ def strictly_decodes(data: bytes) -> bool:
     try:
         Image.open(io.BytesIO(data)).load()
         return True
-    except Exception:  # noqa: BLE001 - every decoder failure means the same thing here
+    except Exception:
         return False
 
 
@@ -128,9 +162,9 @@ class DaliBackend:
         # On a CPU device the step and the decoder share the same cores: decoding in line is faster.
         self.overlap = {"on": True, "off": False}.get(spec.overlap, device.type == "cuda")
         self.feed = Feed(augmenting=spec.train and spec.randaugment is not None)
-        self.pipe = None
+        self.pipe: Any = None  # DALI's pipeline for the epoch being read
 
-    def batches(self, epoch: int, rank_slice: RankSlice) -> Iterator[Batch]:
+    def batches(self, epoch: int, rank_slice: RankSlice) -> Generator[Batch, None, None]:
         decoded = self._decoded(epoch, rank_slice)
         # With overlap, one thread drives DALI and copies its output out (tens of ms for a CPU batch
         # of floats) while the consumer's step runs.
@@ -144,8 +178,15 @@ class DaliBackend:
         try:
             while (images := self._next()) is not None:
                 raw = self.feed.in_flight.popleft()
-                yield make_batch(images.to(dtype), torch.from_numpy(raw.labels).to(self.device), raw.positions,
-                                 raw.real, raw.keys, raw.bad, raw.reads)
+                yield make_batch(
+                    images.to(dtype),
+                    torch.from_numpy(raw.labels).to(self.device),
+                    raw.positions,
+                    raw.real,
+                    raw.keys,
+                    raw.bad,
+                    raw.reads,
+                )
         finally:
             raws.close()
             self.pipe = None

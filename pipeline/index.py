@@ -20,17 +20,24 @@ import functools
 import glob
 import logging
 import os
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
 
 import numpy as np
 from braceexpand import braceexpand
 from PIL import Image
 
 from vitforge.core import UsageError, is_remote, object_store, open_store
-from vitforge.shards import (MANIFEST_NAME, SAMPLE_IMAGE_EXTS, ManifestError, index_path_for, index_tar,
-                             manifest_version, read_manifest)
+from vitforge.shards import (
+    MANIFEST_NAME,
+    SAMPLE_IMAGE_EXTS,
+    ManifestError,
+    index_path_for,
+    index_tar,
+    manifest_version,
+    read_manifest,
+)
 
 from .order import ranked_subset_ids, subset_counts, subset_rows
 
@@ -46,6 +53,7 @@ class DatasetError(UsageError):
 class ShardSamples:
     """One shard's samples (a subset's only, for a subset): byte ranges and names, about 100 bytes
     a sample."""
+
     start: np.ndarray  # int64: first byte of the range holding the image and the label
     length: np.ndarray  # int64: bytes in that range
     image_at: np.ndarray  # int64: image offset within the range
@@ -54,8 +62,9 @@ class ShardSamples:
     label_len: np.ndarray  # int64 (0 in an unlabelled dataset)
     names: list[str]
 
-    def rows(self, keep: np.ndarray) -> "ShardSamples":
-        return ShardSamples(*(getattr(self, c)[keep] for c in COLUMNS), names=[self.names[i] for i in keep])
+    def rows(self, keep: np.ndarray) -> ShardSamples:
+        # (the six COLUMNS in field order: mypy cannot count a starred generator)
+        return ShardSamples(*(getattr(self, c)[keep] for c in COLUMNS), names=[self.names[i] for i in keep])  # type: ignore[misc]
 
     @property
     def end(self) -> int:
@@ -67,6 +76,7 @@ class ShardSamples:
 class Subset:
     """Which rows of each shard a subset keeps: `counts` per shard (O(shards)), the rows chosen
     per shard when it is loaded; `ranked`: version 2's rows, from one ranking of all samples."""
+
     size: float | int
     seed: int
     counts: np.ndarray
@@ -82,6 +92,7 @@ class Subset:
 class DatasetIndex:
     """The shards' table (see the module's docstring for what it costs) and the samples of the
     shards loaded so far."""
+
     shard_urls: list[str]
     shard_samples: np.ndarray  # int64: samples per shard (in the subset, for a subset)
     num_classes: int | None  # from dataset.json; None for shards made elsewhere, and unlabelled ones
@@ -97,7 +108,7 @@ class DatasetIndex:
     subset: Subset | None = None
     # Shard number -> the text of its index file (one GET for a stored dataset).
     index_text: Callable[[int], str] | None = field(default=None, repr=False)
-    whole: "DatasetIndex | None" = field(default=None, repr=False)  # for a subset: the dataset it is of
+    whole: DatasetIndex | None = field(default=None, repr=False)  # for a subset: the dataset it is of
     loaded: dict[int, ShardSamples] = field(default_factory=dict, repr=False)
     # Samples per class id from dataset.json, for the whole dataset (None for a subset, whose counts
     # are known only once its samples are read, and for tars made elsewhere): O(classes).
@@ -135,7 +146,7 @@ class DatasetIndex:
             raise DatasetError(f"{where}: lists {len(samples.start)} samples, dataset.json says {full[shard]}")
         self.loaded[shard] = samples if self.subset is None else samples.rows(self.subset.rows(full, shard))
 
-    def with_subset(self, size: float | int, seed: int, ranked: bool = False) -> "DatasetIndex":
+    def with_subset(self, size: float | int, seed: int, ranked: bool = False) -> DatasetIndex:
         """This dataset's deterministic subset (order.subset_counts), or with `ranked` version 2's
         (order.ranked_subset_ids: O(N) once, for resuming a run that began with it)."""
         whole = self.whole or self
@@ -148,9 +159,20 @@ class DatasetIndex:
             subset = Subset(size, seed, np.array([len(kept) for kept in per_shard], np.int64), rows)
         else:
             subset = Subset(size, seed, subset_counts(full, size, seed))
-        index = DatasetIndex(whole.shard_urls, subset.counts, whole.num_classes, whole.labelled, whole.classes,
-                             whole.max_pixels, whole.shard_sha256, whole.shard_bytes, subset, whole.index_text, whole,
-                             version=whole.version)
+        index = DatasetIndex(
+            whole.shard_urls,
+            subset.counts,
+            whole.num_classes,
+            whole.labelled,
+            whole.classes,
+            whole.max_pixels,
+            whole.shard_sha256,
+            whole.shard_bytes,
+            subset,
+            whole.index_text,
+            whole,
+            version=whole.version,
+        )
         for shard, samples in whole.loaded.items():  # tars without dataset.json: loaded at start
             index.loaded[shard] = samples.rows(subset.rows(full, shard))
         return index
@@ -164,8 +186,13 @@ def load_index(dataset: str) -> DatasetIndex:
         urls = _expand(dataset)
         if not urls:
             raise DatasetError(f"{dataset}: no tar files match")
-        index = DatasetIndex(urls, np.zeros(len(urls), np.int64), None, labelled=None,
-                             index_text=functools.partial(_scanned_text, tuple(urls)))
+        index = DatasetIndex(
+            urls,
+            np.zeros(len(urls), np.int64),
+            None,
+            labelled=None,
+            index_text=functools.partial(_scanned_text, tuple(urls)),
+        )
         texts = [_scanned_text(tuple(urls), s) for s in range(len(urls))]
         for shard, text in enumerate(texts):
             samples, index.labelled = _parse(_where_scanned(urls[shard]), text, index.labelled)
@@ -181,16 +208,22 @@ def load_index(dataset: str) -> DatasetIndex:
         raise DatasetError(str(e)) from None
     shards = manifest["shards"]
     index = DatasetIndex(
-        [store.url(s["name"]) for s in shards], np.array([s["samples"] for s in shards], np.int64),
-        manifest["num_classes"], labelled=manifest["num_classes"] is not None, classes=manifest.get("classes"),
+        [store.url(s["name"]) for s in shards],
+        np.array([s["samples"] for s in shards], np.int64),
+        manifest["num_classes"],
+        labelled=manifest["num_classes"] is not None,
+        classes=manifest.get("classes"),
         class_counts=manifest.get("class_counts"),
         max_pixels=manifest.get("parameters", {}).get("image", {}).get("max_pixels") or Image.MAX_IMAGE_PIXELS,
-        shard_sha256=[s["sha256"] for s in shards], shard_bytes=[s["bytes"] for s in shards],
+        shard_sha256=[s["sha256"] for s in shards],
+        shard_bytes=[s["bytes"] for s in shards],
         index_text=StoredIndexFiles(folder, tuple(s["index"] for s in shards), store),
-        version=manifest.get("version", 1))
+        version=manifest.get("version", 1),
+    )
     if len(index) != manifest["totals"]["samples"]:
-        raise DatasetError(f"{dataset}: its shards list {len(index)} samples, dataset.json says "
-                           f"{manifest['totals']['samples']}")
+        raise DatasetError(
+            f"{dataset}: its shards list {len(index)} samples, dataset.json says {manifest['totals']['samples']}"
+        )
     if not len(index):
         raise DatasetError(f"{dataset}: the dataset has no samples")
     return index
@@ -202,8 +235,10 @@ def _manifest_of(dataset: str) -> tuple[str, str]:
     folder, _, name = dataset.rstrip("/").rpartition("/")
     if name.endswith(".json"):
         if name != MANIFEST_NAME and manifest_version(name) is None:
-            raise DatasetError(f"{dataset}: a dataset is a folder holding {MANIFEST_NAME}, or one version's manifest "
-                               "in it (dataset.v1.json, dataset.v2.json, ...)")
+            raise DatasetError(
+                f"{dataset}: a dataset is a folder holding {MANIFEST_NAME}, or one version's manifest "
+                "in it (dataset.v1.json, dataset.v2.json, ...)"
+            )
         return folder or ".", name
     return dataset, MANIFEST_NAME
 
@@ -224,8 +259,9 @@ class StoredIndexFiles:
         try:
             return self.store.get_bytes(self.names[shard]).decode()
         except FileNotFoundError:
-            raise DatasetError(f"{self.store.url(self.names[shard])}: index file missing (listed in dataset.json)") \
-                from None
+            raise DatasetError(
+                f"{self.store.url(self.names[shard])}: index file missing (listed in dataset.json)"
+            ) from None
 
 
 def _expand(pattern: str) -> list[str]:
@@ -271,20 +307,29 @@ def _parse(where: str, text: str, labelled: bool | None) -> tuple[ShardSamples, 
     names = []
     for n, line in enumerate(lines[1:]):
         fields = line.split(" ")
-        members = {fields[i]: (int(fields[i + 1]), int(fields[i + 2]), fields[i + 3])
-                   for i in range(0, len(fields) - 3, 4)}
+        members = {
+            fields[i]: (int(fields[i + 1]), int(fields[i + 2]), fields[i + 3]) for i in range(0, len(fields) - 3, 4)
+        }
         image_ext = next((e for e in SAMPLE_IMAGE_EXTS if e in members), None)
         if labelled is None:
             labelled = "cls" in members
         if image_ext is None or (labelled and "cls" not in members):
             sample = next(iter(members.values()))[2].split(".", 1)[0] if members else f"line {n + 2}"
             missing = "image (.jpg/.png/.webp)" if image_ext is None else ".cls label"
-            raise DatasetError(f"{where}: sample {sample} has no {missing} member "
-                               f"(members: {', '.join(sorted(members)) or 'none'})")
+            raise DatasetError(
+                f"{where}: sample {sample} has no {missing} member (members: {', '.join(sorted(members)) or 'none'})"
+            )
         image_off, image_len, name = members[image_ext]
         label_off, label_len, _ = members["cls"] if labelled else (image_off, 0, "")
         start = min(image_off, label_off)
-        columns[n] = (start, max(image_off + image_len, label_off + label_len) - start, image_off - start, image_len,
-                      label_off - start, label_len)
+        columns[n] = (
+            start,
+            max(image_off + image_len, label_off + label_len) - start,
+            image_off - start,
+            image_len,
+            label_off - start,
+            label_len,
+        )
         names.append(name.split(".", 1)[0])
-    return ShardSamples(*(columns[:, i].copy() for i in range(len(COLUMNS))), names=names), labelled
+    # (the six COLUMNS in field order: mypy cannot count a starred generator)
+    return ShardSamples(*(columns[:, i].copy() for i in range(len(COLUMNS))), names=names), labelled  # type: ignore[misc, arg-type]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -44,8 +44,17 @@ def choose_backend(spec: LoaderSpec, device: torch.device) -> tuple[str, str]:
 
 
 class Loader:
-    def __init__(self, spec: LoaderSpec, index: DatasetIndex | None, backend: Backend, rank: int, world_size: int,
-                 num_samples: int, accumulation: int = 1, ranks_per_node: int = 1):
+    def __init__(
+        self,
+        spec: LoaderSpec,
+        index: DatasetIndex | None,
+        backend: Backend,
+        rank: int,
+        world_size: int,
+        num_samples: int,
+        accumulation: int = 1,
+        ranks_per_node: int = 1,
+    ):
         self.spec, self.index, self.backend = spec, index, backend
         self.rank, self.world_size, self.num_samples = rank, world_size, num_samples
         self.accumulation, self.ranks_per_node = accumulation, ranks_per_node
@@ -58,15 +67,25 @@ class Loader:
         self.started: float | None = None
         self.bad_keys: list[str] = []
         self.reads = {"requests": 0, "bytes": 0, "opens": 0, "fetches": 0}  # totals of the batches' "reads"
-        self._window = (None, 0, 0.0)  # (start, images, wait seconds) when the current window began
+        # (start, images, wait seconds) when the current window began
+        self._window: tuple[float | None, int, float] = (None, 0, 0.0)
 
     def __len__(self) -> int:
         """Batches left in the current epoch (the same on every rank)."""
         return self._slice().num_batches
 
     def _slice(self) -> RankSlice:
-        return RankSlice(self.num_samples, self.consumed, self.rank, self.world_size, self.spec.batch_size,
-                         self.spec.epoch_end, self.accumulation, self.partitions, self.ranks_per_node)
+        return RankSlice(
+            self.num_samples,
+            self.consumed,
+            self.rank,
+            self.world_size,
+            self.spec.batch_size,
+            self.spec.epoch_end,
+            self.accumulation,
+            self.partitions,
+            self.ranks_per_node,
+        )
 
     def __iter__(self) -> Iterator[Batch]:
         rank_slice = self._slice()
@@ -92,10 +111,18 @@ class Loader:
 
     def state_dict(self) -> dict:
         # A run resumed from version 2 with a subset keeps drawing its subset that way, for good.
-        return {"version": STATE_VERSION, "epoch": self.epoch, "consumed": self.consumed, "seed": self.spec.seed,
-                "num_samples": self.num_samples, "world_size": self.world_size, "dataset_version": self._version(),
-                "batch_size": self.spec.batch_size, "partitions": self.partitions,
-                "ranked_subset": bool(self.index is not None and self.index.ranked)}
+        return {
+            "version": STATE_VERSION,
+            "epoch": self.epoch,
+            "consumed": self.consumed,
+            "seed": self.spec.seed,
+            "num_samples": self.num_samples,
+            "world_size": self.world_size,
+            "dataset_version": self._version(),
+            "batch_size": self.spec.batch_size,
+            "partitions": self.partitions,
+            "ranked_subset": bool(self.index is not None and self.index.ranked),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("version") not in (1, 2, STATE_VERSION):
@@ -103,8 +130,10 @@ class Loader:
         partitions = state.get("partitions", 1)
         if partitions != self.partitions:
             if self.spec.partitions is not None:
-                raise CheckpointError(f"the run's order has {partitions} partitions, fixed when it started; "
-                                      f"data.partitions={self.spec.partitions} would change the order mid-run")
+                raise CheckpointError(
+                    f"the run's order has {partitions} partitions, fixed when it started; "
+                    f"data.partitions={self.spec.partitions} would change the order mid-run"
+                )
             self.partitions = partitions
             self._warn_if_spread()
         self._same(state, "seed", self.spec.seed)
@@ -112,21 +141,30 @@ class Loader:
             return
         self._same(state, "num_samples", self.num_samples)
         if (state["world_size"], state["batch_size"]) != (self.world_size, self.spec.batch_size):
-            log.info("resuming at %d ranks x %d per batch a position saved at %d x %d: exact, from position %d",
-                     self.world_size, self.spec.batch_size, state["world_size"], state["batch_size"],
-                     state["consumed"])
+            log.info(
+                "resuming at %d ranks x %d per batch a position saved at %d x %d: exact, from position %d",
+                self.world_size,
+                self.spec.batch_size,
+                state["world_size"],
+                state["batch_size"],
+                state["consumed"],
+            )
         ranked = state["version"] < 3 or state.get("ranked_subset", False)
         if ranked and self.index is not None and self.index.subset is not None and not self.index.ranked:
-            log.info("resuming a run whose subset was drawn as loader state version 2 drew them: its samples, "
-                     "ranked over the whole dataset once (O(samples), at this start only)")
+            log.info(
+                "resuming a run whose subset was drawn as loader state version 2 drew them: its samples, "
+                "ranked over the whole dataset once (O(samples), at this start only)"
+            )
             self.index = self.backend.index = self.index.with_subset(self.spec.subset, self.spec.seed, ranked=True)
         self.epoch, self.consumed = state["epoch"], state["consumed"]
 
     @staticmethod
     def _same(state: dict, name: str, mine: int) -> None:
         if state[name] != mine:
-            raise CheckpointError(f"loader state has {name}={state[name]}, this loader has {mine}: "
-                                  "a different dataset or seed cannot resume this position")
+            raise CheckpointError(
+                f"loader state has {name}={state[name]}, this loader has {mine}: "
+                "a different dataset or seed cannot resume this position"
+            )
 
     def _version(self) -> int | None:
         return None if self.index is None else self.index.version
@@ -147,10 +185,17 @@ class Loader:
                 f"{self.spec.dataset} is version {mine} of its dataset, and this run's position was saved on "
                 f"version {saved or 'unknown (before versions were recorded)'}: resuming would change the sample "
                 f"order. Name the version the run read (data.train=FOLDER/{pin}), or set "
-                f"data.resume_extended=true to go on over version {mine} from the next epoch")
+                f"data.resume_extended=true to go on over version {mine} from the next epoch"
+            )
         self.epoch, self.consumed = state["epoch"] + (1 if state["consumed"] else 0), 0
-        log.warning("resuming on version %d of %s (the position was saved on version %s): from the start of "
-                    "epoch %d, as data.resume_extended asks", mine, self.spec.dataset, saved, self.epoch)
+        log.warning(
+            "resuming on version %d of %s (the position was saved on version %s): from the start of "
+            "epoch %d, as data.resume_extended asks",
+            mine,
+            self.spec.dataset,
+            saved,
+            self.epoch,
+        )
         return True
 
     def prepare(self) -> None:
@@ -158,16 +203,25 @@ class Loader:
         first batch: a bad one then fails here, where the caller can make every rank fail alike."""
         if self.index is not None:
             rank_slice = self._slice()
-            self.index.load(partition_shards_of(self.index.shard_samples, self.spec.seed, self.partitions,
-                                                rank_slice.partitions_read()))
+            self.index.load(
+                partition_shards_of(
+                    self.index.shard_samples, self.spec.seed, self.partitions, rank_slice.partitions_read()
+                )
+            )
 
     def _warn_if_spread(self) -> None:
         spread = self.partitions // math.gcd(self.world_size, self.partitions)
         if self.index is not None and spread > 1:
-            log.warning("%d ranks read an order of %d partitions: each rank reads %d of them (%d samples, the "
-                        "index of their shards) instead of 1; a world size that divides %d, or a multiple of it, "
-                        "keeps that to one", self.world_size, self.partitions, spread,
-                        spread * self.num_samples // self.partitions, self.partitions)
+            log.warning(
+                "%d ranks read an order of %d partitions: each rank reads %d of them (%d samples, the "
+                "index of their shards) instead of 1; a world size that divides %d, or a multiple of it, "
+                "keeps that to one",
+                self.world_size,
+                self.partitions,
+                spread,
+                spread * self.num_samples // self.partitions,
+                self.partitions,
+            )
 
     def window(self) -> dict:
         """This rank's images/s and data-wait fraction since the previous call (the first: since the
@@ -177,26 +231,40 @@ class Loader:
         start = start or self.started or now
         elapsed = now - start
         self._window = (now, self.images, self.wait_seconds)
-        return {"images_per_s": (self.images - images) / elapsed if elapsed else 0.0,
-                "data_wait_fraction": (self.wait_seconds - wait) / elapsed if elapsed else 0.0}
+        return {
+            "images_per_s": (self.images - images) / elapsed if elapsed else 0.0,
+            "data_wait_fraction": (self.wait_seconds - wait) / elapsed if elapsed else 0.0,
+        }
 
     def stats(self) -> dict:
         """Running totals since the first batch was asked for."""
         elapsed = time.perf_counter() - self.started if self.started else 0.0
-        return {"backend": self.backend.name, "images": self.images,
-                "images_per_s": self.images / elapsed if elapsed else 0.0,
-                "data_wait_fraction": self.wait_seconds / elapsed if elapsed else 0.0,
-                "bad_samples": len(self.bad_keys), "store_requests": self.reads["requests"],
-                "bytes_read": self.reads["bytes"], "shard_opens": self.reads["opens"],
-                "shard_fetches": self.reads["fetches"],
-                # shard opens the node's cache served without this loader fetching the shard
-                "cache_hit_rate": 1 - self.reads["fetches"] / self.reads["opens"] if self.reads["opens"] else None}
+        return {
+            "backend": self.backend.name,
+            "images": self.images,
+            "images_per_s": self.images / elapsed if elapsed else 0.0,
+            "data_wait_fraction": self.wait_seconds / elapsed if elapsed else 0.0,
+            "bad_samples": len(self.bad_keys),
+            "store_requests": self.reads["requests"],
+            "bytes_read": self.reads["bytes"],
+            "shard_opens": self.reads["opens"],
+            "shard_fetches": self.reads["fetches"],
+            # shard opens the node's cache served without this loader fetching the shard
+            "cache_hit_rate": 1 - self.reads["fetches"] / self.reads["opens"] if self.reads["opens"] else None,
+        }
 
 
-def build_loader(spec: LoaderSpec, rank: int = 0, world_size: int = 1,
-                 device: torch.device | str = "cpu", synthetic_samples: int = 1_281_167,
-                 synthetic_classes: int = 1000, accumulation: int = 1, ranks_per_node: int = 1,
-                 index: DatasetIndex | None = None) -> Loader:
+def build_loader(
+    spec: LoaderSpec,
+    rank: int = 0,
+    world_size: int = 1,
+    device: torch.device | str = "cpu",
+    synthetic_samples: int = 1_281_167,
+    synthetic_classes: int = 1000,
+    accumulation: int = 1,
+    ranks_per_node: int = 1,
+    index: DatasetIndex | None = None,
+) -> Loader:
     """A loader for one rank. `accumulation`: micro-batches per optimizer step, so that epochs end
     on whole steps. `ranks_per_node`: ranks rank // ranks_per_node share a node and its shard cache.
     A backend that reads no dataset (synthetic) ignores `spec.dataset` and makes `synthetic_samples`
@@ -228,12 +296,22 @@ def dataset_index(spec: LoaderSpec) -> DatasetIndex:
     return index
 
 
-def node_shards(index: DatasetIndex, spec: LoaderSpec, rank: int, world_size: int, ranks_per_node: int,
-                epoch: int = 0) -> list[int]:
+def node_shards(
+    index: DatasetIndex, spec: LoaderSpec, rank: int, world_size: int, ranks_per_node: int, epoch: int = 0
+) -> list[int]:
     """The shards the node of `rank` reads in `epoch` from its start, as its cache's eviction counts
     them (reader.NodeFuture): those of its ranks' partitions, and those the last batch's padding
     may open (every shard whose samples' shuffle window reaches the order's first positions: exact
     with data.shuffle_window 1, a few more otherwise). O(shards of those partitions)."""
-    rank_slice = RankSlice(len(index), 0, rank, world_size, spec.batch_size, spec.epoch_end, 1,
-                           spec.partitions or world_size, ranks_per_node)
+    rank_slice = RankSlice(
+        len(index),
+        0,
+        rank,
+        world_size,
+        spec.batch_size,
+        spec.epoch_end,
+        1,
+        spec.partitions or world_size,
+        ranks_per_node,
+    )
     return NodeFuture(index, spec, epoch, rank_slice).shards

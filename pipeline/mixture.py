@@ -20,32 +20,27 @@ takes each source's positions on from where all ranks together left them (only t
 that even out a source epoch's last row of ranks depend on the world size). Changing the
 weights of a run is refused unless `reweight` (then it goes on from the saved positions).
 
-Labels: `offset` (each source's class ids after the previous sources', the head covers the sum)
-or `by_name` (one class per distinct name, in the order first seen over the sources). Keys are
-"SOURCE/SHARD.tar:KEY" and positions (source << 40) + position, so no two sources' samples share
-either. Per rank: one loader per source (its decode workers: the spec's shared out, at least one
-each when the spec has any), at most one held batch per source, O(sources) counts.
+Keys are "SOURCE/SHARD.tar:KEY" and positions (source << 40) + position, so no two sources'
+samples share either (labels: mixture_labels.py). Per rank: at most one held batch per source,
+O(sources) counts. The loaders are built by mixture_build.py.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import time
-from typing import Iterator, Literal, Sequence
+from collections.abc import Generator, Iterator, Sequence
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
-from vitforge.core import CheckpointError, is_remote
+from vitforge.core import CheckpointError
 
 from .backend import Batch, make_batch
-from .cache_shares import CacheDemand, node_cache_shares
-from .index import DatasetError, DatasetIndex
-from .loader import Loader, build_loader, dataset_index, node_shards
-from .spec import LoaderSpec, MixtureSource
-
-log = logging.getLogger("vitforge.pipeline")
+from .loader import Loader
+from .mixture_labels import MixtureIndex
+from .spec import MixtureSource
 
 SOURCE_SHIFT = 40  # a sample's position in the mixture: (source << SOURCE_SHIFT) + its own position
 MIXTURE_STATE_VERSION = 1
@@ -59,14 +54,14 @@ def batch_counts(weights: Sequence[float], taken: Sequence[int], world_size: int
     after = sum(taken) + world_size * batch
     want = [max(0.0, (w / norm * after - t) / world_size) for w, t in zip(weights, taken)]
     scale = batch / sum(want) if sum(want) > 0 else 0.0
-    return _largest_remainders([x * scale for x in want] if scale else [batch * w / norm for w in weights], batch)
+    return largest_remainders([x * scale for x in want] if scale else [batch * w / norm for w in weights], batch)
 
 
-def _largest_remainders(exact: Sequence[float], total: int) -> list[int]:
+def largest_remainders(exact: Sequence[float], total: int) -> list[int]:
     """`exact` (summing to `total`) rounded to integers that sum to `total`: floors, then one more
     for the largest remainders, ties to the first."""
     counts = [int(x) for x in exact]
-    for i in sorted(range(len(exact)), key=lambda i: (counts[i] - exact[i], i))[:total - sum(counts)]:
+    for i in sorted(range(len(exact)), key=lambda i: (counts[i] - exact[i], i))[: total - sum(counts)]:
         counts[i] += 1
     return counts
 
@@ -89,7 +84,7 @@ class _SourceStream:
 
     def __init__(self, loader: Loader):
         self.loader = loader
-        self._batches: Iterator[Batch] | None = None
+        self._batches: Generator[Batch, None, None] | None = None
         self._held: Batch | None = None
         self._at = 0  # samples of the held batch taken
         self._left = 0  # samples of this epoch this rank has still to take
@@ -135,62 +130,28 @@ class _SourceStream:
 
 
 def _piece(batch: Batch, start: int, stop: int) -> Batch:
-    return Batch(image=batch["image"][start:stop], label=batch["label"][start:stop], real=batch["real"][start:stop],
-                 key=batch["key"][start:stop], position=batch["position"][start:stop],
-                 bad=batch["bad"] if start == 0 else [], reads=batch["reads"] if start == 0 else {})
-
-
-class MixtureIndex:
-    """What the trainer reads of a dataset, for the mixture: classes in the label space, labelled."""
-
-    def __init__(self, indexes: list[DatasetIndex], urls: list[str], label_space: str):
-        self.labelled = all(ix.labelled for ix in indexes)
-        self.maps: list[torch.Tensor] = []
-        if label_space == "offset":
-            names: list[str] = []
-            for ix in indexes:
-                count = ix.num_classes or 0
-                self.maps.append(torch.arange(len(names), len(names) + count))
-                names += [f"{len(self.maps) - 1}/{c}" for c in (ix.classes or map(str, range(count)))]
-        else:
-            ids: dict[str, int] = {}
-            for url, ix in zip(urls, indexes):
-                if ix.num_classes and not ix.classes:
-                    raise DatasetError(f"{url}: data.label_space=by_name needs the class names of dataset.json; "
-                                       "these shards have class ids only")
-                if ix.classes and len(set(ix.classes)) != len(ix.classes):
-                    raise DatasetError(f"{url}: its class names repeat, so by name they would merge classes")
-                self.maps.append(torch.tensor([ids.setdefault(c, len(ids)) for c in (ix.classes or [])],
-                                              dtype=torch.int64))
-            names = list(ids)
-        self.classes = names
-        self.num_classes = len(names) or None
-        self.label_space = label_space
-        self._first = indexes[0].classes if indexes else None
-
-    def check_eval(self, classes: list[str] | None, url: str) -> None:
-        """A held-out set scored against this label space: its class i must be the mixture's class
-        i (by name; with `offset`, the first source's classes), else its accuracy would be wrong."""
-        if not classes:
-            return
-        if self.label_space == "by_name":
-            wrong = [(i, c) for i, c in enumerate(classes) if i >= len(self.classes) or self.classes[i] != c]
-            mixture = self.classes
-        else:
-            wrong = [] if classes == (self._first or [])[:len(classes)] else [(0, classes[0])]
-            mixture = self._first or []
-        if wrong:
-            i, name = wrong[0]
-            raise DatasetError(f"data.val {url}: its class {i} is {name!r}, the mixture's is "
-                               f"{mixture[i] if i < len(mixture) else 'none'!r} (data.label_space={self.label_space}): "
-                               "evaluate on a set whose classes are the mixture's, in its order")
+    return Batch(
+        image=batch["image"][start:stop],
+        label=batch["label"][start:stop],
+        real=batch["real"][start:stop],
+        key=batch["key"][start:stop],
+        position=batch["position"][start:stop],
+        bad=batch["bad"] if start == 0 else [],
+        reads=batch["reads"] if start == 0 else {},
+    )
 
 
 class MixtureLoader:
     """A Loader's interface (iteration, epoch, state, stats) over several sources at weights."""
 
-    def __init__(self, sources: list[MixtureSource], loaders: list[Loader], label_space: Literal["offset", "by_name"],
-                 accumulation: int = 1, reweight: bool = False):
+    def __init__(
+        self,
+        sources: list[MixtureSource],
+        loaders: list[Loader],
+        label_space: Literal["offset", "by_name"],
+        accumulation: int = 1,
+        reweight: bool = False,
+    ):
         self.sources, self.loaders, self.accumulation, self.reweight = sources, loaders, accumulation, reweight
         self.spec = loaders[0].spec
         self.rank, self.world_size = loaders[0].rank, loaders[0].world_size
@@ -207,22 +168,27 @@ class MixtureLoader:
         self.epoch_taken = 0  # samples all ranks took in this pass
         self.images = 0
         self.started: float | None = None
-        self._window = (None, 0, [0.0] * len(sources), [0] * len(sources))
+        self._window: tuple[float | None, int, list[float], list[int]] = (
+            None,
+            0,
+            [0.0] * len(sources),
+            [0] * len(sources),
+        )
 
     @property
     def wait_seconds(self) -> float:
         return sum(s.wait_seconds for s in self.streams)
 
-    def _epoch_length(self) -> int:
+    def epoch_length(self) -> int:
         per_step = self.world_size * self.spec.batch_size * self.accumulation
         return self.num_samples // per_step * per_step
 
     def __len__(self) -> int:
-        return (self._epoch_length() - self.epoch_taken) // (self.world_size * self.spec.batch_size)
+        return (self.epoch_length() - self.epoch_taken) // (self.world_size * self.spec.batch_size)
 
     def __iter__(self) -> Iterator[Batch]:
         step = self.world_size * self.spec.batch_size
-        while self.epoch_taken + step <= self._epoch_length():
+        while self.epoch_taken + step <= self.epoch_length():
             if self.started is None:
                 self.started = time.perf_counter()
             counts = batch_counts(self.weights, self.since, self.world_size, self.spec.batch_size)
@@ -250,8 +216,11 @@ class MixtureLoader:
         shape = (len(order), *first.shape[1:])
         # numpy asks for transparent huge pages for a large array (torch.empty does not): a 38 MB
         # batch then faults in 19 pages instead of 9,400, a third of the time normalising takes.
-        image = (torch.empty(shape, dtype=first.dtype, device=first.device) if self._normalise is None
-                 else torch.from_numpy(np.empty(shape, np.float32)))
+        image = (
+            torch.empty(shape, dtype=first.dtype, device=first.device)
+            if self._normalise is None
+            else torch.from_numpy(np.empty(shape, np.float32))
+        )
         label = torch.empty(len(order), dtype=pieces[0]["label"].dtype, device=pieces[0]["label"].device)
         position = np.empty(len(order), np.int64)
         real = np.empty(len(order), bool)
@@ -261,7 +230,7 @@ class MixtureLoader:
         at = 0
         for s, piece in zip(sources, pieces):
             n = len(piece["label"])
-            where = rows[at:at + n]
+            where = rows[at : at + n]
             on_device = torch.from_numpy(where).to(label.device)  # the images' device too (Batch)
             if self._normalise is None:
                 image.index_copy_(0, on_device, piece["image"])
@@ -286,22 +255,40 @@ class MixtureLoader:
         return torch.where(label >= 0, table[label.clamp(min=0)], label) if len(table) else label
 
     def state_dict(self) -> dict:
-        return {"mixture": MIXTURE_STATE_VERSION, "urls": [s.url for s in self.sources], "weights": self.weights,
-                "label_space": self.label_space, "taken": list(self.taken), "since": list(self.since), "epoch": self.epoch,
-                "epoch_taken": self.epoch_taken, "sources": [ld.state_dict() for ld in self.loaders]}
+        return {
+            "mixture": MIXTURE_STATE_VERSION,
+            "urls": [s.url for s in self.sources],
+            "weights": self.weights,
+            "label_space": self.label_space,
+            "taken": list(self.taken),
+            "since": list(self.since),
+            "epoch": self.epoch,
+            "epoch_taken": self.epoch_taken,
+            "sources": [ld.state_dict() for ld in self.loaders],
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if "mixture" not in state:
-            raise CheckpointError("this run was saved training on one dataset, not a mixture: data.train must "
-                                  "name that one dataset to resume it")
+            raise CheckpointError(
+                "this run was saved training on one dataset, not a mixture: data.train must "
+                "name that one dataset to resume it"
+            )
         if state["urls"] != [s.url for s in self.sources]:
-            raise CheckpointError(f"this run's mixture is {state['urls']}; data.train names {[s.url for s in self.sources]}")
+            raise CheckpointError(
+                f"this run's mixture is {state['urls']}; data.train names {[s.url for s in self.sources]}"
+            )
         if state["label_space"] != self.label_space:
-            raise CheckpointError(f"this run's labels are data.label_space={state['label_space']}, not {self.label_space}")
-        reweighted = not all(math.isclose(a, b) for a, b in zip(_normalised(state["weights"]), _normalised(self.weights)))
+            raise CheckpointError(
+                f"this run's labels are data.label_space={state['label_space']}, not {self.label_space}"
+            )
+        reweighted = not all(
+            math.isclose(a, b) for a, b in zip(_normalised(state["weights"]), _normalised(self.weights))
+        )
         if reweighted and not self.reweight:
-            raise CheckpointError(f"this run's weights are {state['weights']}, data.train asks {self.weights}: set "
-                                  "data.reweight=true to go on with the new weights from the saved positions")
+            raise CheckpointError(
+                f"this run's weights are {state['weights']}, data.train asks {self.weights}: set "
+                "data.reweight=true to go on with the new weights from the saved positions"
+            )
         for loader, saved in zip(self.loaders, state["sources"]):
             loader.load_state_dict(saved)
         self.taken, self.epoch, self.epoch_taken = list(state["taken"]), state["epoch"], state["epoch_taken"]
@@ -322,23 +309,34 @@ class MixtureLoader:
         elapsed = now - start
         self._window = (now, self.images, [s.wait_seconds for s in self.streams], list(self.taken))
         wait = sum(s.wait_seconds for s in self.streams) - sum(waits)
-        return {"images_per_s": (self.images - images) / elapsed if elapsed else 0.0,
-                "data_wait_fraction": wait / elapsed if elapsed else 0.0,
-                "sources": [{"samples": t - t0, "data_wait_fraction": (s.wait_seconds - w) / elapsed if elapsed else 0.0}
-                            for s, w, t, t0 in zip(self.streams, waits, self.taken, taken)]}
+        return {
+            "images_per_s": (self.images - images) / elapsed if elapsed else 0.0,
+            "data_wait_fraction": wait / elapsed if elapsed else 0.0,
+            "sources": [
+                {"samples": t - t0, "data_wait_fraction": (s.wait_seconds - w) / elapsed if elapsed else 0.0}
+                for s, w, t, t0 in zip(self.streams, waits, self.taken, taken)
+            ],
+        }
 
     def stats(self) -> dict:
         elapsed = time.perf_counter() - self.started if self.started else 0.0
         per_source = [ld.stats() for ld in self.loaders]
-        totals = {name: sum(s[name] for s in per_source) for name in
-                  ("bad_samples", "store_requests", "bytes_read", "shard_opens", "shard_fetches")}
-        return {"backend": per_source[0]["backend"], "images": self.images,
-                "images_per_s": self.images / elapsed if elapsed else 0.0,
-                "data_wait_fraction": self.wait_seconds / elapsed if elapsed else 0.0, **totals,
-                "cache_hit_rate": 1 - totals["shard_fetches"] / totals["shard_opens"] if totals["shard_opens"] else None,
-                "sources": [{"url": src.url, "weight": src.weight, "samples_taken": t,
-                             "data_wait_s": stream.wait_seconds} for src, t, stream in
-                            zip(self.sources, self.taken, self.streams)]}
+        totals = {
+            name: sum(s[name] for s in per_source)
+            for name in ("bad_samples", "store_requests", "bytes_read", "shard_opens", "shard_fetches")
+        }
+        return {
+            "backend": per_source[0]["backend"],
+            "images": self.images,
+            "images_per_s": self.images / elapsed if elapsed else 0.0,
+            "data_wait_fraction": self.wait_seconds / elapsed if elapsed else 0.0,
+            **totals,
+            "cache_hit_rate": 1 - totals["shard_fetches"] / totals["shard_opens"] if totals["shard_opens"] else None,
+            "sources": [
+                {"url": src.url, "weight": src.weight, "samples_taken": t, "data_wait_s": stream.wait_seconds}
+                for src, t, stream in zip(self.sources, self.taken, self.streams)
+            ],
+        }
 
 
 def _normalise_once(loaders: list[Loader]):
@@ -347,9 +345,10 @@ def _normalise_once(loaders: list[Loader]):
     makes, instead of each source's float batch copied once more (38 MB at 224 px; page faults
     and the copy were a quarter of the loader's CPU: benchmarks/loader_bench.py's mixture row).
     Elsewhere (a GPU, DALI, bfloat16) the sources normalise and the batch is a device copy."""
-    backends = [ld.backend for ld in loaders]
-    if not all(getattr(b, "normalises", False) and b.device.type == "cpu" and b.spec.dtype == "float32"
-               for b in backends):
+    backends: list[Any] = [ld.backend for ld in loaders]  # the torch backend's own attributes, if it is one
+    if not all(
+        getattr(b, "normalises", False) and b.device.type == "cpu" and b.spec.dtype == "float32" for b in backends
+    ):
         return None
     for backend in backends:
         backend.normalises = False
@@ -363,67 +362,8 @@ def _normalise_into(normalise, pixels: np.ndarray, out: np.ndarray, rows: np.nda
     breaks = np.flatnonzero(np.diff(rows) != 1) + 1
     for start, stop in zip([0, *breaks.tolist()], [*breaks.tolist(), len(rows)]):
         row = int(rows[start])
-        normalise.into(pixels[start:stop], out[row:row + stop - start])
+        normalise.into(pixels[start:stop], out[row : row + stop - start])
 
 
 def _normalised(weights: Sequence[float]) -> list[float]:
     return [w / sum(weights) for w in weights]
-
-
-def build_mixture_loader(spec: LoaderSpec, sources: list[MixtureSource], rank: int = 0, world_size: int = 1,
-                         device: torch.device | str = "cpu", accumulation: int = 1,
-                         ranks_per_node: int = 1) -> MixtureLoader:
-    """A loader of `sources` at their weights for one rank: `spec` with each source's dataset. The
-    node cache's one bound (data.cache_gb) is shared out by `node_cache_shares` (most to the sources
-    whose bytes are read most often); the decode workers by `_workers_of`; each source's epochs end
-    by "pad" (see `_SourceStream`)."""
-    total = sum(s.weight for s in sources)
-    workers = _workers_of(spec.workers, [s.weight / total for s in sources])
-    parts, indexes = [], []
-    for source, source_workers in zip(sources, workers):
-        parts.append(spec.model_copy(update={"dataset": source.url, "workers": source_workers, "epoch_end": "pad"}))
-        try:
-            indexes.append(dataset_index(parts[-1]))
-        except DatasetError as e:
-            raise DatasetError(f"mixture source {source.url}: {e}") from None
-    demands = [_cache_demand(s, index, part, rank, world_size, ranks_per_node)
-               for s, index, part in zip(sources, indexes, parts)]
-    caches = node_cache_shares(int(spec.cache_gb * 1e9), demands)
-    loaders = []
-    for source, part, index, cache in zip(sources, parts, indexes, caches):
-        log.info("mixture source %s: node cache %.2f GB of data.cache_gb %.2f", source.url, cache / 1e9, spec.cache_gb)
-        try:
-            loaders.append(build_loader(part.model_copy(update={"cache_gb": cache / 1e9}), rank, world_size, device,
-                                        ranks_per_node=ranks_per_node, index=index))
-        except DatasetError as e:
-            raise DatasetError(f"mixture source {source.url}: {e}") from None
-    mixture = MixtureLoader(sources, loaders, spec.label_space, accumulation, spec.reweight)
-    if mixture._epoch_length() == 0:
-        raise DatasetError(f"the mixture's {mixture.num_samples} samples are fewer than one optimizer step of "
-                           f"{world_size} ranks x {spec.batch_size} x {accumulation}")
-    return mixture
-
-
-def _cache_demand(source: MixtureSource, index: DatasetIndex, spec: LoaderSpec, rank: int, world_size: int,
-                  ranks_per_node: int) -> CacheDemand:
-    """What this rank's node asks of the cache for one source: the bytes of the shards it reads in a
-    pass, and its ranks' open and read-ahead shards (at the largest of those sizes)."""
-    if not any(is_remote(url) for url in index.shard_urls):
-        return CacheDemand(source.weight, len(index), 0, 0)  # read in place, never through the cache
-    if index.shard_bytes is None:  # tars made elsewhere: sizes unknown
-        return CacheDemand(source.weight, len(index), math.inf, 0)
-    sizes = [index.shard_bytes[s] for s in node_shards(index, spec, rank, world_size, ranks_per_node)]
-    readers = min(ranks_per_node, world_size - rank // ranks_per_node * ranks_per_node)
-    return CacheDemand(source.weight, len(index), sum(sizes), readers * (1 + spec.shards_ahead) * max(sizes))
-
-
-def _workers_of(total: int, shares: list[float]) -> list[int]:
-    """The spec's decode workers shared out: none when it has none (every source decodes in the
-    rank's process), else one per source and the rest by `shares` (largest remainders, ties to the
-    first). So a mixture of more sources than data.workers runs one worker per source: a source
-    decoding in the training process would take the step's thread, and there, with torch's intra-op
-    threads, about twice the CPU per image a worker takes (measured by loader_bench's mixture row)."""
-    if total == 0:
-        return [0] * len(shares)
-    spare = max(0, total - len(shares))
-    return [1 + n for n in _largest_remainders([spare * share for share in shares], spare)]

@@ -62,8 +62,9 @@ def shard_layout(seed: int, num_shards: int) -> np.ndarray:
     return np.lexsort((shards, mix(seed, 5, shards)))
 
 
-def partition_shards(counts: np.ndarray, seed: int, partitions: int, part: int,
-                     layout: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def partition_shards(
+    counts: np.ndarray, seed: int, partitions: int, part: int, layout: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(shard, first row, rows) of each shard run in one partition, in layout order; `counts`:
     samples per shard, `layout`: shard_layout's, when the caller has it. O(shards)."""
     layout = shard_layout(seed, len(counts)) if layout is None else layout
@@ -94,8 +95,9 @@ def partition_members(counts: np.ndarray, seed: int, partitions: int, part: int)
     return shards[by_id], rows[by_id]
 
 
-def partition_order(counts: np.ndarray, seed: int, epoch: int, window: int, partitions: int,
-                    part: int) -> tuple[np.ndarray, np.ndarray]:
+def partition_order(
+    counts: np.ndarray, seed: int, epoch: int, window: int, partitions: int, part: int
+) -> tuple[np.ndarray, np.ndarray]:
     """(shard, row) of one partition's samples in this epoch's order, from that partition alone:
     the shards permuted, the samples within each shard, then mixed within windows. About 40 bytes
     per sample of the partition while it is computed, 12 kept (N / P samples: 586,000 for 300M
@@ -139,8 +141,16 @@ class EpochOrder:
         return shards, rows
 
 
-def shard_uses(counts: np.ndarray, seed: int, epoch: int, window: int, partitions: int, parts,
-               below: int | None = None, shift: int = 0) -> dict[int, list[tuple[int, int]]]:
+def shard_uses(
+    counts: np.ndarray,
+    seed: int,
+    epoch: int,
+    window: int,
+    partitions: int,
+    parts,
+    below: int | None = None,
+    shift: int = 0,
+) -> dict[int, list[tuple[int, int]]]:
     """For each shard of these partitions, the (first, last) epoch positions at which they read
     it: a shard's samples are one run of its partition's order before the window mixing, which
     moves a sample only within its window of `window` positions. From shard counts alone: O(shards).
@@ -174,8 +184,10 @@ def subset_counts(counts: np.ndarray, size: float | int, seed: int) -> np.ndarra
     total = int(counts.sum())
     wanted = round(size * total) if isinstance(size, float) else size
     if not 1 <= wanted <= total:
-        raise ValueError(f"subset {size!r} selects {wanted} of {total} samples; give a fraction in (0, 1] "
-                         f"or a count from 1 to {total}")
+        raise ValueError(
+            f"subset {size!r} selects {wanted} of {total} samples; give a fraction in (0, 1] "
+            f"or a count from 1 to {total}"
+        )
     counts = np.asarray(counts, np.int64)
     quota = counts * wanted // total  # every k with counts/k >= total/wanted: a prefix of the ranking
     rest = wanted - int(quota.sum())
@@ -210,8 +222,10 @@ def ranked_subset_ids(num_samples: int, size: float | int, seed: int) -> np.ndar
     the first samples of one ranking of all of them, ascending sample ids. O(N) per rank."""
     count = round(size * num_samples) if isinstance(size, float) else size
     if not 1 <= count <= num_samples:
-        raise ValueError(f"subset {size!r} selects {count} of {num_samples} samples; give a fraction in (0, 1] "
-                         f"or a count from 1 to {num_samples}")
+        raise ValueError(
+            f"subset {size!r} selects {count} of {num_samples} samples; give a fraction in (0, 1] "
+            f"or a count from 1 to {num_samples}"
+        )
     ranking = np.argsort(mix(seed, 4, np.arange(num_samples, dtype=np.uint64)), kind="stable")
     return np.sort(ranking[:count])
 
@@ -253,8 +267,11 @@ class RankSlice:
         within = min(count, max(0, -(-(self.num_samples - first) // step)))  # positions before the end
         spread = math.gcd(step, parts)
         # Positions first + W*i (i < within) meet each partition p = first (mod gcd(W, P)) once i spans P / gcd.
-        head = (np.arange(first % spread, parts, spread) if within >= parts // spread
-                else (first + step * np.arange(within, dtype=np.int64)) % parts)
+        head = (
+            np.arange(first % spread, parts, spread)
+            if within >= parts // spread
+            else (first + step * np.arange(within, dtype=np.int64)) % parts
+        )
         padded = (first + step * np.arange(within, count, dtype=np.int64)) % self.num_samples % parts
         return np.unique(np.concatenate([head, padded] if padding else [head]).astype(np.int64))
 

@@ -19,10 +19,33 @@ import torch
 
 from .augment import uniforms
 
-OPS = ("translate_x", "translate_y", "shear_x", "shear_y", "rotate", "brightness", "contrast", "color", "sharpness",
-       "posterize", "solarize", "equalize", "auto_contrast", "identity")
-SIGNED = {"translate_x", "translate_y", "shear_x", "shear_y", "rotate", "brightness", "contrast", "color",
-          "sharpness"}  # their magnitude is negated half the time
+OPS = (
+    "translate_x",
+    "translate_y",
+    "shear_x",
+    "shear_y",
+    "rotate",
+    "brightness",
+    "contrast",
+    "color",
+    "sharpness",
+    "posterize",
+    "solarize",
+    "equalize",
+    "auto_contrast",
+    "identity",
+)
+SIGNED = {
+    "translate_x",
+    "translate_y",
+    "shear_x",
+    "shear_y",
+    "rotate",
+    "brightness",
+    "contrast",
+    "color",
+    "sharpness",
+}  # their magnitude is negated half the time
 BINS = 31
 TRANSLATE = 150 / 331  # of the image side, at the largest magnitude
 FILL = 128
@@ -37,9 +60,19 @@ def plan(seed: int, epoch: int, positions: np.ndarray, num_ops: int) -> tuple[np
 
 def magnitude(op: str, bin_: int) -> float:
     """The operation's parameter at this magnitude bin, before any sign."""
-    ranges = {"translate_x": (0, TRANSLATE), "translate_y": (0, TRANSLATE), "shear_x": (0, 0.3),
-              "shear_y": (0, 0.3), "rotate": (0, 30), "brightness": (0, 0.9), "contrast": (0, 0.9),
-              "color": (0, 0.9), "sharpness": (0, 0.9), "posterize": (8, 4), "solarize": (255, 0)}
+    ranges = {
+        "translate_x": (0, TRANSLATE),
+        "translate_y": (0, TRANSLATE),
+        "shear_x": (0, 0.3),
+        "shear_y": (0, 0.3),
+        "rotate": (0, 30),
+        "brightness": (0, 0.9),
+        "contrast": (0, 0.9),
+        "color": (0, 0.9),
+        "sharpness": (0, 0.9),
+        "posterize": (8, 4),
+        "solarize": (255, 0),
+    }
     low, high = ranges.get(op, (0, 0))
     return low + (high - low) * bin_ / (BINS - 1)
 
@@ -56,21 +89,34 @@ def apply(image: torch.Tensor, ops: np.ndarray, negate: np.ndarray, bin_: int) -
         value = magnitude(op, bin_) * (-1 if negative and op in SIGNED else 1)
         if op in ("translate_x", "translate_y"):
             shift = [value * width, 0.0] if op == "translate_x" else [0.0, value * height]
-            image = F.affine(image, angle=0.0, translate=shift, scale=1.0, shear=[0.0, 0.0], interpolation=bilinear,
-                             fill=fill)
+            image = F.affine(
+                image, angle=0.0, translate=shift, scale=1.0, shear=[0.0, 0.0], interpolation=bilinear, fill=fill
+            )
         elif op in ("shear_x", "shear_y"):
             # DALI maps input to output (x' = x + s*y); torchvision's angle shears the other way
             degrees = -math.degrees(math.atan(value))
-            image = F.affine(image, angle=0.0, translate=[0, 0], scale=1.0, interpolation=bilinear, fill=fill,
-                             shear=[degrees, 0.0] if op == "shear_x" else [0.0, degrees], center=[0, 0])
+            image = F.affine(
+                image,
+                angle=0.0,
+                translate=[0, 0],
+                scale=1.0,
+                interpolation=bilinear,
+                fill=fill,
+                shear=[degrees, 0.0] if op == "shear_x" else [0.0, degrees],
+                center=[0, 0],
+            )
         elif op == "rotate":
             image = F.rotate(image, value, interpolation=bilinear, fill=fill)
         elif op in ("brightness", "contrast", "color", "sharpness"):
-            adjust = {"brightness": F.adjust_brightness, "contrast": F.adjust_contrast,
-                      "color": F.adjust_saturation, "sharpness": F.adjust_sharpness}[op]
+            adjust = {
+                "brightness": F.adjust_brightness,
+                "contrast": F.adjust_contrast,
+                "color": F.adjust_saturation,
+                "sharpness": F.adjust_sharpness,
+            }[op]
             image = adjust(image, 1.0 + value)
         elif op == "posterize":
-            image = F.posterize(image, int(round(value)))
+            image = F.posterize(image, round(value))
         elif op == "solarize":
             image = F.solarize(image, value)
         elif op == "equalize":
@@ -98,6 +144,9 @@ def dali_suite():
         return fn.equalize(data)
 
     shipped = {aug.name: aug for aug in get_rand_augment_suite(use_shape=True, max_translate_rel=TRANSLATE)}
-    shipped.update(solarize=a.solarize.augmentation((255, 0)),  # DALI's default starts at 256
-                   sharpness=sharpness, equalize=equalize)
+    shipped.update(
+        solarize=a.solarize.augmentation((255, 0)),  # DALI's default starts at 256
+        sharpness=sharpness,
+        equalize=equalize,
+    )
     return [shipped[name] for name in OPS]

@@ -13,9 +13,9 @@ from __future__ import annotations
 import io
 import logging
 import os
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
 
 import numpy as np
 import simplejpeg
@@ -81,8 +81,13 @@ class SampleReader:
     cannot hold them). A shard's file is closed after the last batch of the plan that reads it, so
     the cache may reclaim it."""
 
-    def __init__(self, index: DatasetIndex, plan: list[tuple[np.ndarray, np.ndarray]], cache: CacheSpec | None = None,
-                 node_future: "NodeFuture | None" = None):
+    def __init__(
+        self,
+        index: DatasetIndex,
+        plan: list[tuple[np.ndarray, np.ndarray]],
+        cache: CacheSpec | None = None,
+        node_future: NodeFuture | None = None,
+    ):
         """`plan`: each batch's (shard, row) per sample. `cache` and `node_future`: for object-store
         shards (see raw_batches), else None."""
         self.index = index
@@ -116,7 +121,7 @@ class SampleReader:
         if self._prefetcher is not None:
             self._prefetcher.shutdown(wait=True, cancel_futures=True)
 
-    def __enter__(self) -> "SampleReader":
+    def __enter__(self) -> SampleReader:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -145,16 +150,23 @@ class SampleReader:
         cache = self._cache
         if cache is None:
             return {"requests": 0, "bytes": 0, "opens": 0, "fetches": 0}
-        return {"requests": cache.requests, "bytes": cache.bytes_fetched, "opens": cache.opens,
-                "fetches": cache.fetches}
+        return {
+            "requests": cache.requests,
+            "bytes": cache.bytes_fetched,
+            "opens": cache.opens,
+            "fetches": cache.fetches,
+        }
 
     def _prefetch_ahead(self) -> None:
         """Keep the shards of this batch and the next `ahead` ones (in first-use order) on their way;
         read-ahead the cache had no room for is asked again, while its shard is still ahead."""
         wanted = min(len(self._upcoming), self._known[self._batch] + self._cache.spec.ahead)
         ahead = self._known[self._batch]
-        self._skipped += [u for u, future in self._pending if future.done() and future.exception() is None
-                          and future.result() is False]
+        self._skipped += [
+            u
+            for u, future in self._pending
+            if future.done() and future.exception() is None and future.result() is False
+        ]
         self._pending = [(u, future) for u, future in self._pending if not future.done()]
         again = []
         # Asked again only when this reader reaches a new shard (room is made as shards are left),
@@ -162,8 +174,7 @@ class SampleReader:
         if self._batch == 0 or ahead != self._known[self._batch - 1]:
             again, self._skipped = [u for u in self._skipped if u >= ahead], []
         for u in again + list(range(self._submitted, wanted)):
-            self._pending.append((u, self._prefetcher.submit(self._cache.prefetch,
-                                                             *self._identity(self._upcoming[u]))))
+            self._pending.append((u, self._prefetcher.submit(self._cache.prefetch, *self._identity(self._upcoming[u]))))
         self._submitted = max(self._submitted, wanted)
 
     def _identity(self, shard: int) -> tuple[str, int, str | None]:
@@ -181,22 +192,25 @@ class SampleReader:
         source = self._open.get(shard)
         if source is None:
             url = index.shard_urls[shard]
-            source = self._open[shard] = (self._cache.open(*self._identity(shard)) if self._cache is not None
-                                          else ShardFile(os.open(url.removeprefix("file://"), os.O_RDONLY)))
+            source = self._open[shard] = (
+                self._cache.open(*self._identity(shard))
+                if self._cache is not None
+                else ShardFile(os.open(url.removeprefix("file://"), os.O_RDONLY))
+            )
             if isinstance(source, StreamedShard):
                 source.expect(self._upcoming_reads(shard))
         data = source.pread(length, start)
         if len(data) != length:
-            raise OSError(f"{index.shard_urls[shard]}: short read at byte {start} ({len(data)} of {length}): "
-                          "shard truncated?")
+            raise OSError(
+                f"{index.shard_urls[shard]}: short read at byte {start} ({len(data)} of {length}): shard truncated?"
+            )
         return data
-
 
     def _upcoming_reads(self, shard: int) -> list[tuple[int, int]]:
         """(offset, length) of every read of `shard` from the current batch on, in read order: what
         a streamed shard requests ahead. O(the plan's samples) once per streamed shard."""
         samples = self.index.samples(shard)
-        rows = [r for shards, rows in self._plan[self._batch:] for r in rows[shards == shard].tolist()]
+        rows = [r for shards, rows in self._plan[self._batch :] for r in rows[shards == shard].tolist()]
         return [(int(samples.start[r]), int(samples.length[r])) for r in rows]
 
 
@@ -213,8 +227,9 @@ class NodeFuture:
         past = rank_slice.end - len(index)
         if past > 0:  # padding reads the order's first `past` positions again, at positions N on
             padded = np.unique(np.concatenate([rank_slice.partitions_read(r) for r in ranks]))
-            for shard, spans in shard_uses(counts, spec.seed, epoch, spec.shuffle_window, partitions, padded,
-                                           below=past, shift=len(index)).items():
+            for shard, spans in shard_uses(
+                counts, spec.seed, epoch, spec.shuffle_window, partitions, padded, below=past, shift=len(index)
+            ).items():
                 self.uses.setdefault(shard, []).extend(spans)
         self.shards = sorted(self.uses)
 
@@ -240,8 +255,14 @@ def image_size(data: bytes, max_pixels: int) -> tuple[int, int] | None:
         return None
 
 
-def make_batch(index: DatasetIndex, reader: SampleReader, located: tuple[np.ndarray, np.ndarray],
-               positions: np.ndarray, spec: LoaderSpec, epoch: int) -> RawBatch:
+def make_batch(
+    index: DatasetIndex,
+    reader: SampleReader,
+    located: tuple[np.ndarray, np.ndarray],
+    positions: np.ndarray,
+    spec: LoaderSpec,
+    epoch: int,
+) -> RawBatch:
     """One batch: the samples at `positions` of the epoch, found at `located` (shard, row each)."""
     shards, rows = located
     regions, reads = reader.read(shards, rows, int(positions[0]))
@@ -249,9 +270,9 @@ def make_batch(index: DatasetIndex, reader: SampleReader, located: tuple[np.ndar
     for i, (shard, row, region) in enumerate(zip(shards.tolist(), rows.tolist(), regions)):
         samples = index.samples(shard)
         at, n = int(samples.image_at[row]), int(samples.image_len[row])
-        images.append(region[at:at + n])
+        images.append(region[at : at + n])
         label_at = int(samples.label_at[row])
-        label_text = region[label_at:label_at + int(samples.label_len[row])]
+        label_text = region[label_at : label_at + int(samples.label_len[row])]
         labels[i] = int(label_text) if index.labelled and label_text.strip().isdigit() else IGNORE_LABEL
         label_texts.append(label_text)
         keys.append(index.key(shard, row))
@@ -262,8 +283,17 @@ def make_batch(index: DatasetIndex, reader: SampleReader, located: tuple[np.ndar
     sizes = [image_size(data, index.max_pixels) for data in images]
     widths = np.array([s[0] if s else BLANK_SIDE for s in sizes], np.int64)
     heights = np.array([s[1] if s else BLANK_SIDE for s in sizes], np.int64)
-    raw = RawBatch(images, labels, widths, heights, crop_windows(widths, heights, positions, spec, epoch), keys,
-                   positions, real, reads=reads)
+    raw = RawBatch(
+        images,
+        labels,
+        widths,
+        heights,
+        crop_windows(widths, heights, positions, spec, epoch),
+        keys,
+        positions,
+        real,
+        reads=reads,
+    )
     if spec.train and spec.randaugment:
         raw.augment_ops, raw.augment_negate = randaugment.plan(spec.seed, epoch, positions, spec.randaugment[0])
     for i, size in enumerate(sizes):
@@ -283,8 +313,14 @@ def rank_order(index: DatasetIndex, spec: LoaderSpec, epoch: int, rank_slice: Ra
     return EpochOrder(index.shard_samples, spec.seed, epoch, spec.shuffle_window, rank_slice.partitions, parts)
 
 
-def raw_batches(index: DatasetIndex, spec: LoaderSpec, epoch: int, rank_slice: RankSlice,
-                batches: Iterable[int], order: EpochOrder | None = None) -> Iterator[RawBatch]:
+def raw_batches(
+    index: DatasetIndex,
+    spec: LoaderSpec,
+    epoch: int,
+    rank_slice: RankSlice,
+    batches: Iterable[int],
+    order: EpochOrder | None = None,
+) -> Iterator[RawBatch]:
     """The given batches of one rank's epoch, in that order, read with one reader; `order`: the
     rank's rank_order, when the caller made it already."""
     order = order or rank_order(index, spec, epoch, rank_slice)

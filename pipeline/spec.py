@@ -135,8 +135,9 @@ class MixtureSource(BaseModel):
     @classmethod
     def _positive(cls, value: float, info) -> float:
         if not (value > 0 and math.isfinite(value)):
-            raise ValueError(f"source {masked(info.data.get('url', '?'))} has weight {value}: a weight must be a "
-                             "number > 0")
+            raise ValueError(
+                f"source {masked(info.data.get('url', '?'))} has weight {value}: a weight must be a number > 0"
+            )
         return value
 
 
@@ -173,7 +174,8 @@ class LoaderSpec(LoaderSettings):
 
     def __init__(self, dataset: str, /, **values):
         try:
-            super().__init__(dataset=dataset, **values)
+            # (pydantic's __init__ takes this class's fields; mypy's plugin types super()'s as LoaderSettings's)
+            super().__init__(dataset=dataset, **values)  # type: ignore[call-arg]
         except ValidationError as e:
             raise UsageError(f"loader spec: {problems(e)}") from None
 
@@ -181,4 +183,3 @@ class LoaderSpec(LoaderSettings):
     def of(cls, settings: LoaderSettings, dataset: str, **call) -> LoaderSpec:
         """`settings`' values, with `call`'s (the per-call fields, or a setting overridden) over them."""
         return cls(dataset, **{**{name: getattr(settings, name) for name in LoaderSettings.model_fields}, **call})
-

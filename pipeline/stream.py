@@ -20,8 +20,8 @@ still to read, at most a shard's samples.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
 
 from vitforge.core import Store
 
@@ -56,7 +56,7 @@ class StreamedShard:
         self._held -= length
         data = future.result()
         self._request_ahead()
-        return data[start:start + length]
+        return data[start : start + length]
 
     def _request_ahead(self) -> None:
         taken: list[tuple[int, int]] = []

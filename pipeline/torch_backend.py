@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 import math
 import os
-from typing import Iterator
+from collections.abc import Generator
 
 import numpy as np
 import simplejpeg
@@ -27,8 +27,9 @@ from .reader import RawBatch, rank_order, raw_batches
 from .spec import LoaderSpec
 
 
-def decode_crop(data: bytes, x: float, y: float, w: float, h: float, flip: bool, width: int, height: int,
-                out: np.ndarray) -> None:
+def decode_crop(
+    data: bytes, x: float, y: float, w: float, h: float, flip: bool, width: int, height: int, out: np.ndarray
+) -> None:
     """Decode, crop the window (x, y, w, h) in source pixels, resize it into `out` (3 x S x S
     uint8, a row of the batch), maybe flipped."""
     size = out.shape[1]
@@ -72,18 +73,35 @@ def decode_batch(raw: RawBatch, size: int, magnitude: int = 0) -> Batch:
     out = np.empty((len(raw.images), 3, size, size), np.uint8)
     for i, data in enumerate(raw.images):
         win = raw.windows
-        args = (float(win.x[i]), float(win.y[i]), float(win.w[i]), float(win.h[i]), bool(win.flip[i]),
-                int(raw.widths[i]), int(raw.heights[i]))
+        args = (
+            float(win.x[i]),
+            float(win.y[i]),
+            float(win.w[i]),
+            float(win.h[i]),
+            bool(win.flip[i]),
+            int(raw.widths[i]),
+            int(raw.heights[i]),
+        )
         try:
             decode_crop(data, *args, out[i])
-        except Exception as e:  # noqa: BLE001 - any decoder failure makes this one sample bad, not the run
+        except Exception as e:
             raw.replace(i, f"does not decode: {e}")
-            decode_crop(raw.images[i], 0, 0, raw.widths[i], raw.heights[i], False,
-                        int(raw.widths[i]), int(raw.heights[i]), out[i])
+            decode_crop(
+                raw.images[i],
+                0,
+                0,
+                raw.widths[i],
+                raw.heights[i],
+                False,
+                int(raw.widths[i]),
+                int(raw.heights[i]),
+                out[i],
+            )
         if raw.augment_ops is not None:
             out[i] = randaugment.apply(torch.from_numpy(out[i]), raw.augment_ops[i], raw.augment_negate[i], magnitude)
-    return make_batch(torch.from_numpy(out), torch.from_numpy(raw.labels), raw.positions, raw.real, raw.keys, raw.bad,
-                      raw.reads)
+    return make_batch(
+        torch.from_numpy(out), torch.from_numpy(raw.labels), raw.positions, raw.real, raw.keys, raw.bad, raw.reads
+    )
 
 
 class Normalise:
@@ -140,18 +158,22 @@ class TorchBackend:
         # itself once it has put them where they go (a mixture's batch: no float copy in between).
         self.normalises = True
 
-    def batches(self, epoch: int, rank_slice: RankSlice) -> Iterator[Batch]:
+    def batches(self, epoch: int, rank_slice: RankSlice) -> Generator[Batch, None, None]:
         # uint8 travels from the workers (4x less to copy through shared memory, and to pin) and the
         # loader's device normalises.
         on_gpu = self.device.type == "cuda"
         workers = self.spec.workers
         loader = torch.utils.data.DataLoader(
-            _Batches(self.index, self.spec, epoch, rank_slice), batch_size=None,
-            num_workers=workers, prefetch_factor=self.spec.prefetch if workers else None, pin_memory=on_gpu,
+            _Batches(self.index, self.spec, epoch, rank_slice),
+            batch_size=None,
+            num_workers=workers,
+            prefetch_factor=self.spec.prefetch if workers else None,
+            pin_memory=on_gpu,
             worker_init_fn=_lower_priority,
             # Its own generator: each DataLoader iterator draws a seed, which from the global RNG would
             # shift the dropout masks of a resumed run (it starts one more iterator than the original).
-            generator=torch.Generator().manual_seed(self.spec.seed))
+            generator=torch.Generator().manual_seed(self.spec.seed),
+        )
         if on_gpu:
             # From pinned memory, on a side stream, one batch ahead: the copy overlaps the step.
             yield from copy_ahead(iter(loader), self._to_device, torch.cuda.Stream(self.device))
@@ -166,8 +188,11 @@ class TorchBackend:
         return {**batch, "image": self.normalise(batch["image"])}
 
     def _to_device(self, batch: Batch) -> Batch:
-        return {**batch, "image": self.normalise(batch["image"].to(self.device, non_blocking=True)),
-                "label": batch["label"].to(self.device, non_blocking=True)}
+        return {
+            **batch,
+            "image": self.normalise(batch["image"].to(self.device, non_blocking=True)),
+            "label": batch["label"].to(self.device, non_blocking=True),
+        }
 
 
 def torch_backend(spec: LoaderSpec, index: DatasetIndex, device: torch.device, num_classes: int) -> TorchBackend:

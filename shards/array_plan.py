@@ -42,7 +42,7 @@ import json
 import logging
 import secrets
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -51,9 +51,10 @@ from vitforge.core import PreconditionFailed, UsageError
 from .claims import made_once
 from .layout import Work
 from .manifest import command_line
-from .plan import SUB_BUCKETS, Inputs, PlanHeader, bucket_sub_buckets, buckets_for, cut, fingerprint, read_header
+from .plan import SUB_BUCKETS, Inputs, bucket_sub_buckets, buckets_for, cut, fingerprint
+from .plan_slices import PlanHeader, read_header
 from .records import SourceError, display_path
-from .shares import check_source, shareable, share_classes, share_labels, share_records
+from .shares import check_source, share_classes, share_labels, share_records, shareable
 from .sources import load_class_names
 
 log = logging.getLogger("vitforge.shard")
@@ -81,9 +82,14 @@ def plan_across_array(job, store, work: Work) -> PlanHeader:
             header = read_header(store, work)
             if header is None:
                 raise
-        log.info("the shard plan: %d inputs, %d shards in %d buckets, made in %d shares (%.1f s)",
-                 header.inputs, header.shards, header.parts, _shares_of(store, work, job.num_parts),
-                 time.monotonic() - started)
+        log.info(
+            "the shard plan: %d inputs, %d shards in %d buckets, made in %d shares (%.1f s)",
+            header.inputs,
+            header.shards,
+            header.parts,
+            _shares_of(store, work, job.num_parts),
+            time.monotonic() - started,
+        )
     _tidy(store, work)
     return header
 
@@ -93,8 +99,16 @@ def _plan(job, store, work: Work) -> PlanHeader:
     label_column = job.label_column if job.labels else None
     given = load_class_names(job.classes_file) if job.classes_file else None
     if label_column and (given is None or job.src.lower().endswith(".parquet")):
-        _make_all(job, store, work, "labels", shares, lambda s: json.dumps(share_labels(
-            job.src, (s, shares), label_column, job.follow_symlinks, job.root)).encode())
+        _make_all(
+            job,
+            store,
+            work,
+            "labels",
+            shares,
+            lambda s: json.dumps(
+                share_labels(job.src, (s, shares), label_column, job.follow_symlinks, job.root)
+            ).encode(),
+        )
         labels = set()
         for s in range(shares):
             labels.update(json.loads(store.get_bytes(_unit(work, "labels", s))))
@@ -109,9 +123,17 @@ def _plan(job, store, work: Work) -> PlanHeader:
     buckets = buckets_for(inputs)
     _make_all(job, store, work, "bucket", buckets, lambda b: _bucket(job, store, work, b, buckets, shares, index))
     counts = [json.loads(store.get_bytes(_unit(work, "bucket", b))) for b in range(buckets)]
-    header = PlanHeader(fingerprint(job.output_parameters()), job.output_parameters(), classes, inputs,
-                        sum(c["shards"] for c in counts), buckets, 0,
-                        slice_shards=[c["shards"] for c in counts], slice_inputs=[c["inputs"] for c in counts])
+    header = PlanHeader(
+        fingerprint(job.output_parameters()),
+        job.output_parameters(),
+        classes,
+        inputs,
+        sum(c["shards"] for c in counts),
+        buckets,
+        0,
+        slice_shards=[c["shards"] for c in counts],
+        slice_inputs=[c["inputs"] for c in counts],
+    )
     if read_header(store, work) is None:
         store.put_bytes(work.duplicates, gzip.compress(b"", mtime=0))
         store.put_bytes(work.header, header.to_bytes())
@@ -132,8 +154,10 @@ def _shares(job, store, work: Work) -> int:
     name, parameters = _spread_name(work), job.output_parameters()
     existing = store.get_versioned(name)
     if existing is None:
-        check_source(job.src, [job.url_column or job.path_column,
-                               *([job.label_column] if job.labels else []), *(job.meta_columns or ())])
+        check_source(
+            job.src,
+            [job.url_column or job.path_column, *([job.label_column] if job.labels else []), *(job.meta_columns or ())],
+        )
         spread = {"shares": job.num_parts, "fingerprint": fingerprint(parameters), "command": command_line(parameters)}
         try:
             store.put_if(name, json.dumps(spread).encode(), None)
@@ -142,9 +166,11 @@ def _shares(job, store, work: Work) -> int:
             existing = store.get_versioned(name)
     spread = json.loads(existing[0])
     if spread["fingerprint"] != fingerprint(parameters):
-        raise UsageError(f"{job.dest}: a shard plan with other parameters is being made there, by "
-                         f"`{spread['command']}`: run that command to finish it, or delete "
-                         f"{store.url(work.plan_dir)}/spread/ (once none of its tasks runs) to plan anew")
+        raise UsageError(
+            f"{job.dest}: a shard plan with other parameters is being made there, by "
+            f"`{spread['command']}`: run that command to finish it, or delete "
+            f"{store.url(work.plan_dir)}/spread/ (once none of its tasks runs) to plan anew"
+        )
     return spread["shares"]
 
 
@@ -168,6 +194,7 @@ def _spread_name(work: Work) -> str:
 def _make_all(job, store, work: Work, step: str, units: int, make: Callable[[int], bytes | None]) -> None:
     """Every unit of `step` made: this task's own first (unit % parts == part), then the others in
     turn from the next, skipping those a live task holds; then the held ones waited for."""
+
     def unit(i: int):
         name = _unit(work, step, i)
 
@@ -184,13 +211,31 @@ def _make_all(job, store, work: Work, step: str, units: int, make: Callable[[int
     held = []
     for i in order:
         name, made = unit(i)
-        if made_once(store, f"{name}.claim", lambda: _done(store, work, name), made, job.part,
-                     f"{step} {i} of the shard plan", job.plan_wait_s, block=False) is None:
+        if (
+            made_once(
+                store,
+                f"{name}.claim",
+                lambda: _done(store, work, name),  # noqa: B023 - made_once calls it before the loop goes on
+                made,
+                job.part,
+                f"{step} {i} of the shard plan",
+                job.plan_wait_s,
+                block=False,
+            )
+            is None
+        ):
             held.append(i)
     for i in held:
         name, made = unit(i)
-        made_once(store, f"{name}.claim", lambda: _done(store, work, name), made, job.part,
-                  f"{step} {i} of the shard plan", job.plan_wait_s)
+        made_once(
+            store,
+            f"{name}.claim",
+            lambda: _done(store, work, name),  # noqa: B023 - made_once calls it before the loop goes on
+            made,
+            job.part,
+            f"{step} {i} of the shard plan",
+            job.plan_wait_s,
+        )
 
 
 def _done(store, work: Work, name: str) -> bool | None:
@@ -205,12 +250,23 @@ def _unit(work: Work, step: str, i: int) -> str:
 def _spill(job, store, work: Work, share: int, shares: int, classes: list[str], numeric: bool) -> bytes:
     """Writes the share's runs; returns its index (the unit's result): each run's file and sections."""
     label_column = job.label_column if job.labels else None
-    records = iter(share_records(job.src, (share, shares), classes=classes, numeric=numeric,
-                                 path_column=job.url_column or job.path_column, label_column=label_column,
-                                 root=job.root, url_list=bool(job.url_column), meta_columns=job.meta_columns,
-                                 follow_symlinks=job.follow_symlinks))
+    records = iter(
+        share_records(
+            job.src,
+            (share, shares),
+            classes=classes,
+            numeric=numeric,
+            path_column=job.url_column or job.path_column,
+            label_column=label_column,
+            root=job.root,
+            url_list=bool(job.url_column),
+            meta_columns=job.meta_columns,
+            follow_symlinks=job.follow_symlinks,
+        )
+    )
     token = secrets.token_hex(6)  # a writer's own files: an index never names another writer's run
-    runs, total = [], 0
+    runs: list[dict] = []
+    total = 0
     while True:
         inputs = Inputs.of(itertools.islice(records, RUN_INPUTS), job.seed)
         if not len(inputs):
@@ -235,8 +291,8 @@ def _write_run(store, name: str, inputs: Inputs, first_row: int) -> dict:
     body, offsets = bytearray(), [0]
     for s in range(SUB_BUCKETS):
         if starts[s] < starts[s + 1]:
-            tails = [inputs.tail(i) for i in order[starts[s]:starts[s + 1]].tolist()]
-            section = fixed[starts[s]:starts[s + 1]].copy()
+            tails = [inputs.tail(i) for i in order[starts[s] : starts[s + 1]].tolist()]
+            section = fixed[starts[s] : starts[s + 1]].copy()
             section["tail"] = [len(t) for t in tails]
             body += gzip.compress(section.tobytes() + b"".join(tails), compresslevel=1, mtime=0)
         offsets.append(len(body))
@@ -263,11 +319,11 @@ def _bucket(job, store, work: Work, bucket: int, buckets: int, shares: int, inde
                 continue
             data = store.get_range(run["file"], first, int(offsets[subs.stop]))
             for sub in subs:
-                rows = int(run["rows"][sub])
-                if rows:
-                    body = gzip.decompress(data[offsets[sub] - first:offsets[sub + 1] - first])
-                    fixed.append(np.frombuffer(body, ROW, rows))
-                    tails.append(body[rows * ROW.itemsize:])
+                count = int(run["rows"][sub])
+                if count:
+                    body = gzip.decompress(data[offsets[sub] - first : offsets[sub + 1] - first])
+                    fixed.append(np.frombuffer(body, ROW, count))
+                    tails.append(body[count * ROW.itemsize :])
     rows = np.concatenate(fixed) if fixed else np.zeros(0, ROW)
     blob = b"".join(tails)
     del fixed, tails
@@ -280,6 +336,6 @@ def _bucket(job, store, work: Work, bucket: int, buckets: int, shares: int, inde
     for shard in range(len(bounds) - 1):
         for position in range(bounds[shard], bounds[shard + 1]):
             i = order[position]
-            lines += b'[%d,"%09d",' % (shard, position) + blob[ends[i] - lengths[i]:ends[i]]
+            lines += b'[%d,"%09d",' % (shard, position) + blob[ends[i] - lengths[i] : ends[i]]
     store.put_bytes(work.slice(bucket), gzip.compress(bytes(lines), compresslevel=1, mtime=0))
     return json.dumps({"shards": len(bounds) - 1, "inputs": len(rows)}).encode()

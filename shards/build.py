@@ -29,14 +29,16 @@ from .images import ImageOptions
 from .layout import FIRST, MANIFEST_NAME, Work, shard_name
 from .manifest import HISTOGRAMS, ManifestError, command_line, history_of, merge, read_manifest, version_of
 from .parallel import ordered_map
-from .plan import Inputs, PlanHeader, PlanItem, fingerprint, load_slice, plan_inputs, read_header, write_plan
+from .plan import Inputs, fingerprint, plan_inputs, write_plan
+from .plan_slices import PlanHeader, PlanItem, load_slice, read_header
 from .retry import write_retry_plan
 from .samples import to_sample
-from .sources import list_corpus, load_class_names, read_source
+from .sources import Corpus, list_corpus, load_class_names, read_source
 from .tarfile_writer import TarShardWriter, index_path_for
 from .verify import verify
 
 log = logging.getLogger("vitforge.shard")
+
 
 @dataclass(frozen=True)
 class ShardJob:
@@ -92,16 +94,27 @@ class ShardJob:
     def output_parameters(self) -> dict:
         """Everything that shapes the output bytes, and nothing else (not workers, not part)."""
         return {
-            "src": self.src, "prefix": self.prefix, "seed": self.seed, "shard_bytes": self.shard_bytes,
-            "shard_samples": self.shard_samples, "image": asdict(self.image), "dedup": self.dedup or self.extend,
-            "classes_file": self.classes_file, "path_column": self.path_column, "label_column": self.label_column,
-            "root": self.root, "labels": self.labels,
+            "src": self.src,
+            "prefix": self.prefix,
+            "seed": self.seed,
+            "shard_bytes": self.shard_bytes,
+            "shard_samples": self.shard_samples,
+            "image": asdict(self.image),
+            "dedup": self.dedup or self.extend,
+            "classes_file": self.classes_file,
+            "path_column": self.path_column,
+            "label_column": self.label_column,
+            "root": self.root,
+            "labels": self.labels,
             # Only when set, so datasets sharded before the option existed keep their fingerprint.
             **({"follow_symlinks": True} if self.follow_symlinks else {}),
             **(self._url_parameters() if self.url_column else {}),
             **({"image_column": self.image_column} if self.image_column else {}),
-            **({"meta_columns": list(self.meta_columns) if self.meta_columns is not None else None}
-               if self.url_column or self.image_column else {}),
+            **(
+                {"meta_columns": list(self.meta_columns) if self.meta_columns is not None else None}
+                if self.url_column or self.image_column
+                else {}
+            ),
             **({"extend": True} if self.extend else {}),
             **({"retry_of": self.retry_of} if self.retry_of is not None else {}),
         }
@@ -110,10 +123,17 @@ class ShardJob:
         """A URL list's settings that decide which rows become samples (not timeouts or concurrency:
         those change how fast, and which rows fail transiently, not what a success holds)."""
         d = self.download
-        return {"url_column": self.url_column, "caption_column": self.caption_column,
-                "download": {"max_bytes": d.max_bytes, "max_redirects": d.max_redirects,
-                             "ignore_opt_outs": sorted(d.ignore_opt_outs),
-                             "allow_networks": [str(n) for n in d.allow_networks], "user_agent": d.user_agent}}
+        return {
+            "url_column": self.url_column,
+            "caption_column": self.caption_column,
+            "download": {
+                "max_bytes": d.max_bytes,
+                "max_redirects": d.max_redirects,
+                "ignore_opt_outs": sorted(d.ignore_opt_outs),
+                "allow_networks": [str(n) for n in d.allow_networks],
+                "user_agent": d.user_agent,
+            },
+        }
 
 
 @dataclass
@@ -152,17 +172,26 @@ def run(job: ShardJob) -> PartResult:
     names = {i: shard_name(job.prefix, i) for i in owned}
     done = set(store.list(work.records_dir))
     todo = [i for i in owned if work.record(names[i]) not in done]
-    log.info("part %d/%d owns shards %d..%d: %d done, %d to build (%d inputs, %d shards in all)",
-             job.part, job.num_parts, owned.start, owned.stop - 1, len(owned) - len(todo), len(todo),
-             header.inputs, header.shards)
+    log.info(
+        "part %d/%d owns shards %d..%d: %d done, %d to build (%d inputs, %d shards in all)",
+        job.part,
+        job.num_parts,
+        owned.start,
+        owned.stop - 1,
+        len(owned) - len(todo),
+        len(todo),
+        header.inputs,
+        header.shards,
+    )
     store.discard_stale_temporaries(set(names.values()))
     if todo:
         shards = load_slice(store, header, job.part, job.num_parts, work)
         _build_shards(job, [shards[i] for i in todo], tuple(header.classes), store, [names[i] for i in todo], work)
     manifest = None
     if len(set(store.list(work.records_dir))) >= header.shards:
-        manifest = _merged(store, header) or merge(store, header, command_line(header.parameters), work=work,
-                                                   base=extension.base if extension else None)
+        manifest = _merged(store, header) or merge(
+            store, header, command_line(header.parameters), work=work, base=extension.base if extension else None
+        )
     store.finish()
     return PartResult(len(todo), len(owned) - len(todo), len(owned), manifest)
 
@@ -190,28 +219,40 @@ def ensure_plan(job: ShardJob, store=None, extension: Extension | None = None) -
         extension = _extension(job, store)
     work = extension.work if extension else FIRST
     if store.exists(work.legacy_plan) and read_header(store, work) is None:
-        raise UsageError(f"{job.dest} was started by an older vitforge (it holds {work.legacy_plan}): finish it "
-                         "with that version, or shard into a new destination")
+        raise UsageError(
+            f"{job.dest} was started by an older vitforge (it holds {work.legacy_plan}): finish it "
+            "with that version, or shard into a new destination"
+        )
     if extension is None and spreads(job):
         header = plan_across_array(job, store, work)
     else:
-        header = made_once(store, work.claim, lambda: read_header(store, work),
-                           lambda: _make_plan(job, store, extension), job.part, "the shard plan",
-                           job.plan_wait_s)
+        header = made_once(
+            store,
+            work.claim,
+            lambda: read_header(store, work),
+            lambda: _make_plan(job, store, extension),
+            job.part,
+            "the shard plan",
+            job.plan_wait_s,
+        )
     return _checked(job, header, work)
 
 
 def _checked(job: ShardJob, header: PlanHeader, work: Work) -> PlanHeader:
     parameters = job.output_parameters()
     if header.fingerprint != fingerprint(parameters) and work != FIRST:
-        raise UsageError(f"{job.dest} has an unfinished extension, planned in {work.root}/ by "
-                         f"`{command_line(header.parameters)}`: finish it by running that command again, or abandon "
-                         f"it by deleting {work.root}/ (the next extension writes its shard numbers anew)")
+        raise UsageError(
+            f"{job.dest} has an unfinished extension, planned in {work.root}/ by "
+            f"`{command_line(header.parameters)}`: finish it by running that command again, or abandon "
+            f"it by deleting {work.root}/ (the next extension writes its shard numbers anew)"
+        )
     if header.fingerprint != fingerprint(parameters):
         changed = sorted(k for k, v in parameters.items() if header.parameters.get(k) != v)
         hint = "" if job.extend else ", or --extend to add SRC to a finished dataset as a new version"
-        raise UsageError(f"{job.dest} already holds shards made with other parameters "
-                         f"({', '.join(changed)} differ); use a new destination{hint}")
+        raise UsageError(
+            f"{job.dest} already holds shards made with other parameters "
+            f"({', '.join(changed)} differ); use a new destination{hint}"
+        )
     return header
 
 
@@ -221,18 +262,16 @@ def _make_plan(job: ShardJob, store, extension: Extension | None) -> PlanHeader:
         if job.verify_existing:
             _, problems = verify(job.dest, job.workers)
             if problems:
-                raise UsageError(f"{job.dest}: the dataset to extend fails verification ({len(problems)} problems), "
-                                 f"first: {problems[0]}")
+                raise UsageError(
+                    f"{job.dest}: the dataset to extend fails verification ({len(problems)} problems), "
+                    f"first: {problems[0]}"
+                )
         extension.snapshot(store)
     if job.retry_of is not None:
         header = write_retry_plan(store, extension, job.output_parameters(), job.shard_samples)
         log.info("planned %d retryable rejects into %d shards", header.retried, header.shards)
         return header
-    classes = load_class_names(job.classes_file) if job.classes_file else None
-    corpus = list_corpus(job.src, classes=classes, path_column=job.url_column or job.path_column,
-                         label_column=job.label_column, root=job.root, labelled=job.labels,
-                         follow_symlinks=job.follow_symlinks, url_list=bool(job.url_column),
-                         meta_columns=job.meta_columns, image_column=job.image_column)
+    corpus = _listed(job)
     inputs = Inputs.of(corpus.records, job.seed)  # records stream into the columns, none is kept
     classes, existing, first = corpus.classes, None, (0, 0)
     if extension is not None:
@@ -245,29 +284,62 @@ def _make_plan(job: ShardJob, store, extension: Extension | None) -> PlanHeader:
         read = (lambda url: url.encode()) if job.url_column else read_source
         if (job.dedup or job.extend) and job.image_column:
             read = stack.enter_context(row_reader(job.src, job.image_column, read_source))
-        plan = plan_inputs(inputs, classes, job.output_parameters(), shard_bytes=job.shard_bytes,
-                           shard_samples=job.shard_samples, dedup=job.dedup or job.extend, read=read,
-                           existing=existing, first_shard=first[0], first_position=first[1])
+        plan = plan_inputs(
+            inputs,
+            classes,
+            job.output_parameters(),
+            shard_bytes=job.shard_bytes,
+            shard_samples=job.shard_samples,
+            dedup=job.dedup or job.extend,
+            read=read,
+            existing=existing,
+            first_shard=first[0],
+            first_position=first[1],
+        )
     header = write_plan(store, plan, job.num_parts, work=extension.work if extension else FIRST)
-    log.info("planned %d inputs into %d shards in %d slices (%.1f s)", header.inputs, header.shards,
-             header.parts, time.monotonic() - started)
+    log.info(
+        "planned %d inputs into %d shards in %d slices (%.1f s)",
+        header.inputs,
+        header.shards,
+        header.parts,
+        time.monotonic() - started,
+    )
     return header
 
 
-def _build_shards(job: ShardJob, shards: list[list[PlanItem]], classes: tuple[str, ...], store,
-                  names: list[str], work: Work) -> None:
+def _listed(job: ShardJob) -> Corpus:
+    """SRC's listing as the job reads it: its class names, columns, root, labels and symlinks."""
+    classes = load_class_names(job.classes_file) if job.classes_file else None
+    return list_corpus(
+        job.src,
+        classes=classes,
+        path_column=job.url_column or job.path_column,
+        label_column=job.label_column,
+        root=job.root,
+        labelled=job.labels,
+        follow_symlinks=job.follow_symlinks,
+        url_list=bool(job.url_column),
+        meta_columns=job.meta_columns,
+        image_column=job.image_column,
+    )
+
+
+def _build_shards(
+    job: ShardJob, shards: list[list[PlanItem]], classes: tuple[str, ...], store, names: list[str], work: Work
+) -> None:
     items = [item for shard in shards for item in shard]
     progress = Progress(len(items), "shard")
-    process = functools.partial(to_sample, opts=job.image, classes=classes, caption=job.caption_column,
-                                src=job.src)
+    process = functools.partial(to_sample, opts=job.image, classes=classes, caption=job.caption_column, src=job.src)
     embedded = EmbeddedImages(job.src, job.image_column) if job.image_column else None
     if job.url_column:
         inputs = _downloaded(items, job.download)
     elif embedded is not None:
         # Read here, in plan order (a window of row groups at a time), not in the workers: each would
         # read whole row groups for the few rows it gets.
-        inputs = ((item, None if embedded_row(item.source) is None else embedded.read(embedded_row(item.source)))
-                  for item in items)
+        inputs = (
+            (item, None if embedded_row(item.source) is None else embedded.read(embedded_row(item.source)))
+            for item in items
+        )
     else:
         inputs = ((item, None) for item in items)
     # Packing without validation is file reads and hashing, which threads overlap well.
@@ -311,25 +383,27 @@ def _pack_shard(staging: str, results, progress: Progress) -> StagedShard:
     rejects: list[dict] = []
     class_counts: Counter = Counter()
     changes: Counter = Counter()
-    histograms = {name: Counter() for name in HISTOGRAMS}
-    with _removed_on_error(staging):
-        with create_file(staging, buffering=1 << 20) as out, TarShardWriter(out) as writer:
-            for result in results:
-                if "reject" in result:
-                    rejects.append(result["reject"])
-                    progress.count(result["reject"]["reason"])
-                else:
-                    writer.write(result["sample"])
-                    if result["label"] is not None:
-                        class_counts[result["label"]] += 1
-                    changes.update(result["changes"])
-                    for name, counter in histograms.items():
-                        counter[power_of_two_band(result[name])] += 1
-                progress.update(1, result.get("bytes", 0))
-            writer.close()
-    record = {"class_counts": {str(k): v for k, v in sorted(class_counts.items())},
-              "normalised": dict(sorted(changes.items())), "rejects": rejects,
-              **{name: {str(k): v for k, v in sorted(c.items())} for name, c in histograms.items()}}
+    histograms: dict[str, Counter] = {name: Counter() for name in HISTOGRAMS}
+    with _removed_on_error(staging), create_file(staging, buffering=1 << 20) as out, TarShardWriter(out) as writer:
+        for result in results:
+            if "reject" in result:
+                rejects.append(result["reject"])
+                progress.count(result["reject"]["reason"])
+            else:
+                writer.write(result["sample"])
+                if result["label"] is not None:
+                    class_counts[result["label"]] += 1
+                changes.update(result["changes"])
+                for name, counter in histograms.items():
+                    counter[power_of_two_band(result[name])] += 1
+            progress.update(1, result.get("bytes", 0))
+        writer.close()
+    record = {
+        "class_counts": {str(k): v for k, v in sorted(class_counts.items())},
+        "normalised": dict(sorted(changes.items())),
+        "rejects": rejects,
+        **{name: {str(k): v for k, v in sorted(c.items())} for name, c in histograms.items()},
+    }
     return StagedShard(staging, writer, record)
 
 
@@ -341,9 +415,15 @@ def _publish_shard(store, name: str, staged: StagedShard, work: Work) -> None:
         store.put_file(staged.path, name)
     index = staged.writer.dali_index()
     store.put_bytes(index_path_for(name), index)
-    record = {"name": name, "index": index_path_for(name), "samples": staged.writer.samples,
-              "bytes": staged.writer.offset, "sha256": staged.writer.sha256,
-              "index_sha256": hashlib.sha256(index).hexdigest(), **staged.record}
+    record = {
+        "name": name,
+        "index": index_path_for(name),
+        "samples": staged.writer.samples,
+        "bytes": staged.writer.offset,
+        "sha256": staged.writer.sha256,
+        "index_sha256": hashlib.sha256(index).hexdigest(),
+        **staged.record,
+    }
     store.put_bytes(work.record(name), json.dumps(record, sort_keys=True, indent=1).encode())
 
 

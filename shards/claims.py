@@ -19,7 +19,8 @@ import os
 import socket
 import threading
 import time
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 from vitforge.core import PreconditionFailed, StorageError, UsageError, process_alive
 
@@ -31,13 +32,21 @@ POLL_S = 5.0
 T = TypeVar("T")
 
 
-def made_once(store, claim: str, ready: Callable[[], T | None], make: Callable[[], T], part: int, what: str,
-              wait_s: float, block: bool = True) -> T | None:
+def made_once(
+    store,
+    claim: str,
+    ready: Callable[[], T | None],
+    make: Callable[[], T],
+    part: int,
+    what: str,
+    wait_s: float,
+    block: bool = True,
+) -> T | None:
     """`ready()`'s result once it is not None: made here by `make()` if this task wins the claim,
     else waited for (up to `wait_s`, then an error naming the task that holds the claim). With
     `block=False`, None at once when another live task holds the claim."""
     deadline = time.monotonic() + wait_s
-    seen: tuple[str, float] | None = None  # (claim version, when this task first saw it)
+    seen: tuple[str | None, float] | None = None  # (claim version, when this task first saw it)
     while True:
         result = ready()
         if result is not None:
@@ -56,14 +65,17 @@ def made_once(store, claim: str, ready: Callable[[], T | None], make: Callable[[
             return None
         if time.monotonic() > deadline:
             holder = json.loads(held[0])
-            raise UsageError(f"{store.url('').rstrip('/')}: waited {wait_s:.0f} s for {what} that part "
-                             f"{holder.get('part')} (host {holder.get('host')}, pid {holder.get('pid')}) is making; it "
-                             f"still runs (its claim {store.url(claim)} is renewed): raise --plan-wait")
+            raise UsageError(
+                f"{store.url('').rstrip('/')}: waited {wait_s:.0f} s for {what} that part "
+                f"{holder.get('part')} (host {holder.get('host')}, pid {holder.get('pid')}) is making; it "
+                f"still runs (its claim {store.url(claim)} is renewed): raise --plan-wait"
+            )
         time.sleep(min(POLL_S, max(0.0, deadline - time.monotonic())))
 
 
-def _make_claimed(store, claim: str, version: str, ready: Callable[[], T | None], make: Callable[[], T],
-                  part: int) -> T:
+def _make_claimed(
+    store, claim: str, version: str, ready: Callable[[], T | None], make: Callable[[], T], part: int
+) -> T:
     result = ready()  # the previous holder may have finished between our reads
     held = [version]
     try:
@@ -101,7 +113,7 @@ def _heartbeat(store, claim: str, version: str, part: int):
     """Renew the claim every CLAIM_STALE_S / 4 while working, so waiting tasks see it is alive.
     Yields [the claim's version as this task last wrote it], None once another task took it over."""
     stop = threading.Event()
-    held = [version]
+    held: list[str | None] = [version]
 
     def beat():
         beats = 0
@@ -111,8 +123,9 @@ def _heartbeat(store, claim: str, version: str, part: int):
                 held[0] = store.put_if(claim, _claim_bytes(part, beats), held[0])
             except PreconditionFailed:
                 held[0] = None
-                log.warning("another task took over %s (this one was thought dead); both write the same bytes",
-                            store.url(claim))
+                log.warning(
+                    "another task took over %s (this one was thought dead); both write the same bytes", store.url(claim)
+                )
                 return
             except StorageError as e:
                 log.warning("could not renew the claim %s: %s", store.url(claim), e)

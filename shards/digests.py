@@ -10,7 +10,7 @@ them without reading the dataset again.
 from __future__ import annotations
 
 import hashlib
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -19,11 +19,13 @@ from .parallel import ordered_map
 Duplicate = tuple[int, "int | str", str]  # (row, row kept or an existing sample's "SHARD#KEY", sha256 hex)
 
 
-def content_digests(count: int, source: Callable[[int], str | None], threads: int,
-                    read: Callable[[str], bytes]) -> tuple[np.ndarray, np.ndarray]:
+def content_digests(
+    count: int, source: Callable[[int], str | None], threads: int, read: Callable[[str], bytes]
+) -> tuple[np.ndarray, np.ndarray]:
     """((count, 32) uint8 sha256 digests, (count,) bool: the row's digest is known). `source(row)`
     is None for a row not to read (it has a problem). Costs 33 bytes per input and at most
     2 x `threads` reads in flight; an unreadable input has no digest (packing names its cause)."""
+
     def digest(row: int) -> bytes | None:
         name = source(row)
         if name is None:
@@ -73,7 +75,7 @@ class DigestTable:
         return len(self.records)
 
     @classmethod
-    def of(cls, digests: np.ndarray, shards: np.ndarray, positions: np.ndarray) -> "DigestTable":
+    def of(cls, digests: np.ndarray, shards: np.ndarray, positions: np.ndarray) -> DigestTable:
         """From (N, 32) uint8 digests and their samples' shard numbers and positions."""
         records = np.empty(len(digests), dtype=cls.DTYPE)
         words = np.ascontiguousarray(digests[:, :16]).view(">u8")
@@ -82,14 +84,14 @@ class DigestTable:
         return cls(records)
 
     @classmethod
-    def concat(cls, tables: list["DigestTable"]) -> "DigestTable":
+    def concat(cls, tables: list[DigestTable]) -> DigestTable:
         return cls(np.concatenate([t.records for t in tables]) if tables else np.empty(0, cls.DTYPE))
 
     def to_bytes(self) -> bytes:
         return self.records.tobytes()
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> "DigestTable":
+    def from_bytes(cls, data: bytes) -> DigestTable:
         return cls(np.frombuffer(data, dtype=cls.DTYPE).copy())
 
     def find(self, digests: np.ndarray) -> np.ndarray:
@@ -102,7 +104,7 @@ class DigestTable:
         start = np.searchsorted(hi, words[:, 0], side="left")
         stop = np.searchsorted(hi, words[:, 0], side="right")
         for query in np.flatnonzero(stop > start):  # a shared first half: a duplicate, almost always
-            run = self.records["lo"][start[query]:stop[query]]
+            run = self.records["lo"][start[query] : stop[query]]
             match = np.flatnonzero(run == words[query, 1])
             if len(match):
                 found[query] = start[query] + match[0]

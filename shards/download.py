@@ -34,8 +34,9 @@ import random
 import threading
 import time
 from collections import deque
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING
 from urllib.parse import urljoin, urlsplit
 
 import aiohttp
@@ -47,14 +48,19 @@ from .host_turns import HostTurns
 from .optouts import OPT_OUTS, ROBOTS_MAX_BYTES, RobotsCache, x_robots_refusal
 from .url_guard import ForbiddenAddress, GuardedResolver, Network, check_literal, guarded_socket
 
+if TYPE_CHECKING:
+    from multidict import CIMultiDictProxy  # aiohttp's headers
+
 USER_AGENT = "vitforge/1 (+https://github.com/vitforge/vitforge; image dataset builder; honours robots.txt and noai)"
 USER_AGENT_TOKEN = "vitforge"  # what robots.txt groups and X-Robots-Tag prefixes address
 REDIRECTS = frozenset({301, 302, 303, 307, 308})
 DNS_CACHE_HOSTS = 10_000  # aiohttp's DNS cache, least recently used out
 # Reasons retried within a run, and marked `retryable` in rejects.jsonl: the server or the network
 # may answer differently next time.
-RETRYABLE = frozenset({"timeout", "connection_error", "truncated", "robots_txt_unavailable", "http_408",
-                       "http_429"} | {f"http_{s}" for s in range(500, 600)})
+RETRYABLE = frozenset(
+    {"timeout", "connection_error", "truncated", "robots_txt_unavailable", "http_408", "http_429"}
+    | {f"http_{s}" for s in range(500, 600)}
+)
 # Retried within the run: not robots_txt_unavailable, whose answer is cached for the run.
 RETRIED_NOW = RETRYABLE - {"robots_txt_unavailable"}
 
@@ -95,6 +101,7 @@ class DownloadOptions:
 class Fetched:
     """One URL's outcome: `data` when it was downloaded, else `reason` (a stable code: http_404,
     timeout, opt_out_x_robots_tag, ...) and `detail`. `status`: the last HTTP status (0: none)."""
+
     url: str
     final_url: str = ""
     status: int = 0
@@ -142,15 +149,27 @@ class Downloader:
         # The limits are ours (self._limit, self.turns), taken before a request's clocks start;
         # aiohttp's pool, which waits inside them, is sized never to be what waits (each request in
         # flight may also be awaiting its origin's robots.txt fetch).
-        connector = aiohttp.TCPConnector(limit=2 * o.concurrency, limit_per_host=0, use_dns_cache=True,
-                                         ttl_dns_cache=3600, dns_cache_max_size=DNS_CACHE_HOSTS,
-                                         resolver=GuardedResolver(o.allow_networks, self._resolver_inner),
-                                         # Addresses tried one after another: a happy-eyeballs race
-                                         # would swallow the socket guard's refusal.
-                                         socket_factory=guarded_socket(o.allow_networks), happy_eyeballs_delay=None)
+        connector = aiohttp.TCPConnector(
+            limit=2 * o.concurrency,
+            limit_per_host=0,
+            use_dns_cache=True,
+            ttl_dns_cache=3600,
+            dns_cache_max_size=DNS_CACHE_HOSTS,
+            resolver=GuardedResolver(o.allow_networks, self._resolver_inner),
+            # Addresses tried one after another: a happy-eyeballs race
+            # would swallow the socket guard's refusal.
+            socket_factory=guarded_socket(o.allow_networks),
+            happy_eyeballs_delay=None,
+        )
         timeout = aiohttp.ClientTimeout(total=None, connect=o.connect_timeout, sock_read=o.first_byte_timeout)
-        return aiohttp.ClientSession(connector=connector, timeout=timeout, headers={"User-Agent": o.user_agent},
-                                     trust_env=False, auto_decompress=True, raise_for_status=False)
+        return aiohttp.ClientSession(
+            connector=connector,
+            timeout=timeout,
+            headers={"User-Agent": o.user_agent},
+            trust_env=False,
+            auto_decompress=True,
+            raise_for_status=False,
+        )
 
     def close(self) -> None:
         if self._loop.is_closed():
@@ -171,7 +190,7 @@ class Downloader:
         await asyncio.gather(*others, return_exceptions=True)
         await self._session.close()
 
-    def __enter__(self) -> "Downloader":
+    def __enter__(self) -> Downloader:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -223,8 +242,12 @@ class Downloader:
             except _Failure as failure:
                 result.reason, result.detail, result.status = failure.reason, failure.detail, failure.status
                 wait = _backoff(attempt, failure.retry_after)
-                if (failure.reason not in RETRIED_NOW or attempt == o.retries
-                        or (failure.retry_after or 0) > o.retry_after_cap or loop.time() + wait >= clock.when()):
+                if (
+                    failure.reason not in RETRIED_NOW
+                    or attempt == o.retries
+                    or (failure.retry_after or 0) > o.retry_after_cap
+                    or loop.time() + wait >= clock.when()
+                ):
                     return
             await asyncio.sleep(wait)
 
@@ -263,7 +286,7 @@ class Downloader:
             return
         raise _Failure("too_many_redirects", f"more than {o.max_redirects} redirects", result.status)
 
-    async def _get(self, url: str) -> tuple[int, "aiohttp.typedefs.LooseHeaders", bytes | None]:
+    async def _get(self, url: str) -> tuple[int, CIMultiDictProxy[str], bytes | None]:
         """One GET without following redirects: (status, headers, body); the body only for a 200."""
         o = self.options
         try:  # connect (DNS included) and first byte: the session's ClientTimeout
@@ -363,8 +386,10 @@ def _checked_url(url: str, allowed: tuple[Network, ...]):
 def _timed_out(o: DownloadOptions) -> str:
     """One detail for every timeout: which limit fires first is a matter of timing, and the
     rejects a list gives must not depend on timing."""
-    return (f"no complete answer within the limits (connect {o.connect_timeout:g} s, first byte and between reads "
-            f"{o.first_byte_timeout:g} s, whole request {o.deadline:g} s)")
+    return (
+        f"no complete answer within the limits (connect {o.connect_timeout:g} s, first byte and between reads "
+        f"{o.first_byte_timeout:g} s, whole request {o.deadline:g} s)"
+    )
 
 
 def _retry_after(value: str | None) -> float | None:
@@ -378,14 +403,14 @@ def _retry_after(value: str | None) -> float | None:
     except (TypeError, ValueError):
         return None
     if when.tzinfo is None:  # asctime and "-0000" dates: HTTP dates are GMT, not this machine's time
-        when = when.replace(tzinfo=datetime.timezone.utc)
+        when = when.replace(tzinfo=datetime.UTC)
     return max(0.0, when.timestamp() - time.time())
 
 
 def _backoff(attempt: int, retry_after: float | None) -> float:
     if retry_after is not None:
         return retry_after
-    return min(8.0, 0.5 * 2 ** attempt) * (0.5 + random.random() / 2)  # jitter: no herd after an outage
+    return min(8.0, 0.5 * 2**attempt) * (0.5 + random.random() / 2)  # jitter: no herd after an outage
 
 
 def _describe(error: BaseException) -> str:

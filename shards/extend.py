@@ -26,7 +26,7 @@ from .digests import DigestTable
 from .layout import DUPLICATES_NAME, MANIFEST_NAME, REJECTS_NAME, Work
 from .manifest import ManifestError, history_of, jsonl_rows, read_manifest, version_of
 from .parallel import ordered_map
-from .plan import read_header
+from .plan_slices import read_header
 from .tarfile_writer import split_name
 
 log = logging.getLogger("vitforge.shard")
@@ -39,6 +39,7 @@ KEPT = ("prefix", "labels", "image")
 class Extension:
     """The dataset an `--extend` job adds to: its latest manifest (one row per shard, held by the
     planner and the merge only) and where the new version's work goes."""
+
     base: dict
     work: Work
     done: bool  # this very extension is already the latest version
@@ -85,15 +86,18 @@ def open_extension(store, dest: str, parameters: dict, fingerprint: str) -> Exte
         base = read_manifest(store)
     except ManifestError:
         if not store.exists(MANIFEST_NAME):
-            raise UsageError(f"{dest}: no finished dataset to extend (no {MANIFEST_NAME}); shard into it without "
-                             "--extend first, or finish that run") from None
+            raise UsageError(
+                f"{dest}: no finished dataset to extend (no {MANIFEST_NAME}); shard into it without "
+                "--extend first, or finish that run"
+            ) from None
         raise
     if any(entry["plan_fingerprint"] == fingerprint for entry in history_of(base)):
         return Extension(base, Work.of(version_of(base)), done=True)  # this extension is in it already
     differ = [key for key in KEPT if base["parameters"].get(key) != parameters[key]]
     if differ:
-        shown = "; ".join(f"{key}: {base['parameters'].get(key)!r} in the dataset, {parameters[key]!r} here"
-                          for key in differ)
+        shown = "; ".join(
+            f"{key}: {base['parameters'].get(key)!r} in the dataset, {parameters[key]!r} here" for key in differ
+        )
         raise UsageError(f"{dest}: an extension packs images as the dataset does: {shown}")
     return Extension(base, Work.of(version_of(base) + 1), done=False)
 
@@ -120,10 +124,15 @@ def existing_digests(store, base: dict, url_list: bool, workers: int) -> DigestT
         if store.exists(work.digests):
             tables.append(DigestTable.from_bytes(store.get_bytes(work.digests)))
             continue
-        log.info("version %d kept no content digests: reading them from its %d shards", entry["version"],
-                 len(shards))
-        rows = ordered_map(lambda shard: _shard_digests(store, base["shards"][shard]["name"], shard, url_list),
-                           shards, workers, chunk_size=1, window_per_worker=2, threads=True)
+        log.info("version %d kept no content digests: reading them from its %d shards", entry["version"], len(shards))
+        rows = ordered_map(
+            lambda shard: _shard_digests(store, base["shards"][shard]["name"], shard, url_list),
+            shards,
+            workers,
+            chunk_size=1,
+            window_per_worker=2,
+            threads=True,
+        )
         tables += list(rows)
     table = DigestTable.concat(tables[::-1])
     rejected = np.array([int(row["key"]) for row in jsonl_rows(store.get_bytes(REJECTS_NAME))], dtype=np.uint64)
@@ -132,8 +141,10 @@ def existing_digests(store, base: dict, url_list: bool, workers: int) -> DigestT
 
 def _shard_digests(store, name: str, shard: int, url_list: bool) -> DigestTable:
     digests, positions = [], []
-    with tempfile.TemporaryDirectory(prefix="vitforge-extend-") as tmp, \
-            tarfile.open(store.local_copy(name, tmp), "r:") as tar:
+    with (
+        tempfile.TemporaryDirectory(prefix="vitforge-extend-") as tmp,
+        tarfile.open(store.local_copy(name, tmp), "r:") as tar,
+    ):
         for member in tar:
             key, ext = split_name(member.name)
             if ext != "json":
@@ -145,5 +156,6 @@ def _shard_digests(store, name: str, shard: int, url_list: bool) -> DigestTable:
             digests.append(np.frombuffer(digest, dtype=np.uint8))
             positions.append(int(key))
     count = len(digests)
-    return DigestTable.of(np.array(digests, dtype=np.uint8).reshape(count, 32), np.full(count, shard),
-                          np.array(positions, dtype=np.int64))
+    return DigestTable.of(
+        np.array(digests, dtype=np.uint8).reshape(count, 32), np.full(count, shard), np.array(positions, dtype=np.int64)
+    )

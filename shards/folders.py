@@ -9,7 +9,7 @@ import logging
 import os
 import stat
 from collections import deque
-from typing import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from vitforge.core import Store, open_store
 
@@ -41,8 +41,10 @@ def _store_folder(store: Store, folder: str, top_by_class: bool = False) -> list
     subfolders, objects = store.list_folder(folder)
     base = f"{folder}/" if folder else ""
     if "" in subfolders:  # keys with "//": store names cannot address them, and listing "" again never ends
-        log.warning("%s: objects under an empty path segment (a key with '//') are left out",
-                    display_path(store.url(base + "/")))
+        log.warning(
+            "%s: objects under an empty path segment (a key with '//') are left out",
+            display_path(store.url(base + "/")),
+        )
         subfolders = [sub for sub in subfolders if sub]
     keyed = [(sub if top_by_class else sub + "/", (base + sub, 0, None, True)) for sub in subfolders]
     if not top_by_class:
@@ -51,8 +53,9 @@ def _store_folder(store: Store, folder: str, top_by_class: bool = False) -> list
     return [item for _, item in keyed]
 
 
-def local_files(src: str, follow_symlinks: bool, boundary: str, by_class: bool,
-                share: tuple[int, int] | None = None) -> Iterator[FileEntry]:
+def local_files(
+    src: str, follow_symlinks: bool, boundary: str, by_class: bool, share: tuple[int, int] | None = None
+) -> Iterator[FileEntry]:
     """Every file under src, and every folder under it that cannot be listed (with its problem), in
     the order sorting by relative path gives (by class folder name first when `by_class`, files
     directly in src left out). Two passes: `_listed_folders` decides which folders are listed and
@@ -63,8 +66,9 @@ def local_files(src: str, follow_symlinks: bool, boundary: str, by_class: bool,
         first = _folder_entries(src, listed, unreadable, top_by_class=by_class)
     else:  # the top level's files stat'ed only in this share (a flat folder's are all of them)
         top = share_of(_folder_entries(src, listed, unreadable, top_by_class=by_class, sized=False), share)
-        first = [(path, _file_size(path) if size is None else size, problem, folder)
-                 for path, size, problem, folder in top]
+        first = [
+            (path, _file_size(path) if size is None else size, problem, folder) for path, size, problem, folder in top
+        ]
     for path, size, problem, _ in _depth_first(first, lambda folder: _folder_entries(folder, listed, unreadable)):
         yield _relative(path, src), path, size, problem
 
@@ -74,7 +78,7 @@ def share_of(entries: list, share: tuple[int, int] | None) -> list:
     if share is None:
         return entries
     s, n = share
-    return entries[s * len(entries) // n:(s + 1) * len(entries) // n]
+    return entries[s * len(entries) // n : (s + 1) * len(entries) // n]
 
 
 def _depth_first(first: list, entries: Callable[[str], list]) -> Iterator[tuple]:
@@ -92,8 +96,9 @@ def _depth_first(first: list, entries: Callable[[str], list]) -> Iterator[tuple]
             yield entry
 
 
-def _folder_entries(folder: str, listed: set[str], unreadable: dict[str, tuple], top_by_class: bool = False,
-                    sized: bool = True) -> list:
+def _folder_entries(
+    folder: str, listed: set[str], unreadable: dict[str, tuple], top_by_class: bool = False, sized: bool = True
+) -> list:
     """(path, size, problem, is_folder) of one folder's files, unreadable subfolders and subfolders
     to descend, in relative-path order. `top_by_class`: only its subfolders, in name order.
     `sized=False`: files' sizes None (`_file_size` later), so listing a folder stats nothing."""
@@ -102,7 +107,7 @@ def _folder_entries(folder: str, listed: set[str], unreadable: dict[str, tuple],
             scanned = list(it)
     except OSError as e:  # listed a moment ago: it changed since
         return [(folder, 0, _unlistable(e), False)]
-    keyed = []
+    keyed: list[tuple[str, tuple]] = []  # (sort key, entry)
     for entry in scanned:
         if _is_folder(entry):
             if entry.path in listed:
@@ -146,8 +151,9 @@ def from_folder(src: str, files: Iterable[FileEntry], required: bool = True) -> 
         raise SourceError(f"{display_path(src)}: no images found under it")
 
 
-def from_class_folders(src: str, files: Iterable[FileEntry], classes: list[str] | None,
-                        names: list[str], required: bool = True) -> Iterator[SourceRecord]:
+def from_class_folders(
+    src: str, files: Iterable[FileEntry], classes: list[str] | None, names: list[str], required: bool = True
+) -> Iterator[SourceRecord]:
     """`files` come class by class in name order, so without a class map each class that holds
     an input takes the next id as its first input comes (appended to `names`): the ids sorting
     the class names would give. `required`: as for `from_folder`."""
@@ -225,16 +231,29 @@ def _is_folder(entry: os.DirEntry) -> bool:
 
 def _report_links(src: str, boundary: str, not_followed: list[str], outside: list[str], repeated: list[str]) -> None:
     def named(paths: list[str], target: bool = False) -> str:
-        shown = [display_path(_relative(p, src)) + (f" -> {display_path(os.path.realpath(p))}" if target else "")
-                 for p in paths[:5]]
+        shown = [
+            display_path(_relative(p, src)) + (f" -> {display_path(os.path.realpath(p))}" if target else "")
+            for p in paths[:5]
+        ]
         return ", ".join(shown) + (f", and {len(paths) - 5} more" if len(paths) > 5 else "")
 
     if not_followed:
-        log.warning("skipped %d symlinked folders under %s (%s): folder links are followed only with "
-                    "--follow-symlinks", len(not_followed), display_path(src), named(not_followed))
+        log.warning(
+            "skipped %d symlinked folders under %s (%s): folder links are followed only with --follow-symlinks",
+            len(not_followed),
+            display_path(src),
+            named(not_followed),
+        )
     if outside:
-        log.warning("skipped %d symlinked folders that lead outside %s (%s): widen with --root",
-                    len(outside), display_path(os.path.realpath(boundary)), named(outside, target=True))
+        log.warning(
+            "skipped %d symlinked folders that lead outside %s (%s): widen with --root",
+            len(outside),
+            display_path(os.path.realpath(boundary)),
+            named(outside, target=True),
+        )
     if repeated:
-        log.info("%d symlinked folders lead to folders already listed (%s); each is listed once",
-                 len(repeated), named(repeated))
+        log.info(
+            "%d symlinked folders lead to folders already listed (%s); each is listed once",
+            len(repeated),
+            named(repeated),
+        )

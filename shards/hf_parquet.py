@@ -24,7 +24,8 @@ import json
 import os
 import threading
 from collections import OrderedDict
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from .manifests import FileRows, discard_copy, jsonable, label_id, local_copy
 from .records import Corpus, SourceError, SourceRecord, display_path
@@ -36,7 +37,7 @@ ROW_PREFIX = "row:"  # an embedded image's source: "row:N" (no resolved path or 
 
 def embedded_row(source: str) -> int | None:
     """The row number of an embedded image's source, None for a path."""
-    return int(source[len(ROW_PREFIX):]) if source.startswith(ROW_PREFIX) else None
+    return int(source[len(ROW_PREFIX) :]) if source.startswith(ROW_PREFIX) else None
 
 
 def shown_source(source: str, src: str) -> str:
@@ -45,8 +46,14 @@ def shown_source(source: str, src: str) -> str:
     return display_path(source if row is None else f"{src}#row={row}")
 
 
-def from_hf_parquet(path: str, classes: list[str] | None, image_column: str, label_column: str | None,
-                    root: str | None, meta_columns: tuple[str, ...] | None = None) -> Corpus:
+def from_hf_parquet(
+    path: str,
+    classes: list[str] | None,
+    image_column: str,
+    label_column: str | None,
+    root: str | None,
+    meta_columns: tuple[str, ...] | None = None,
+) -> Corpus:
     """The corpus of a `datasets` Parquet file. Class names: `classes`, else the file's ClassLabel
     names, else ids 0..max as names."""
     import pyarrow as pa
@@ -67,20 +74,27 @@ def from_hf_parquet(path: str, classes: list[str] | None, image_column: str, lab
                 raise SourceError(f"{path}: no column {missing[0]!r} (columns: {', '.join(schema.names)})")
             numeric = bool(label_column) and pa.types.is_integer(schema.field(label_column).type)
             if label_column and not numeric and not pa.types.is_string(schema.field(label_column).type):
-                raise SourceError(f"{path}: column {label_column!r} has type {schema.field(label_column).type}; "
-                                  "expected integer (class id) or string (class name)")
+                raise SourceError(
+                    f"{path}: column {label_column!r} has type {schema.field(label_column).type}; "
+                    "expected integer (class id) or string (class name)"
+                )
             if label_column and classes is None:
                 classes = class_label_names(schema, label_column)
                 if classes is None:
-                    labels = {v for b in table.iter_batches(columns=[label_column], use_threads=False)
-                              for v in b.column(0).to_pylist() if v not in (None, "")}
+                    labels = {
+                        v
+                        for b in table.iter_batches(columns=[label_column], use_threads=False)
+                        for v in b.column(0).to_pylist()
+                        if v not in (None, "")
+                    }
                     classes = [str(i) for i in range(max(labels, default=-1) + 1)] if numeric else sorted(labels)
             windows = _windows(table.metadata)
     except BaseException:
         discard_copy(path, local)
         raise
-    records = _records(path, local, image_column, label_column, list(classes or []), numeric, root, meta_columns,
-                       windows)
+    records = _records(
+        path, local, image_column, label_column, list(classes or []), numeric, root, meta_columns, windows
+    )
     return Corpus(records, list(classes or []) if label_column else [])
 
 
@@ -103,12 +117,15 @@ def _check_image_column(path: str, schema, column: str) -> None:
     if column not in schema.names:
         raise SourceError(f"{path}: no column {column!r} (columns: {', '.join(schema.names)})")
     kind = schema.field(column).type
-    fields = {kind.field(i).name: kind.field(i).type for i in range(kind.num_fields)} if pa.types.is_struct(kind) \
-        else {}
+    fields = (
+        {kind.field(i).name: kind.field(i).type for i in range(kind.num_fields)} if pa.types.is_struct(kind) else {}
+    )
     data = fields.get("bytes", pa.null())
     if not (pa.types.is_binary(data) or pa.types.is_large_binary(data)):
-        raise SourceError(f"{path}: column {column!r} has type {kind}; expected the datasets Image layout "
-                          "struct<bytes: binary, path: string>")
+        raise SourceError(
+            f"{path}: column {column!r} has type {kind}; expected the datasets Image layout "
+            "struct<bytes: binary, path: string>"
+        )
 
 
 def _windows(metadata) -> list[int]:
@@ -128,45 +145,74 @@ def _windows(metadata) -> list[int]:
     return windows
 
 
-def _records(path: str, local: str, image_column: str, label_column: str | None, classes: list[str],
-             numeric: bool, root: str | None, meta_columns: tuple[str, ...] | None, windows: list[int]) -> Iterator[SourceRecord]:
-    import pyarrow.compute as pc
+def _records(
+    path: str,
+    local: str,
+    image_column: str,
+    label_column: str | None,
+    classes: list[str],
+    numeric: bool,
+    root: str | None,
+    meta_columns: tuple[str, ...] | None,
+    windows: list[int],
+) -> Iterator[SourceRecord]:
     import pyarrow.parquet as pq
 
     files = FileRows.of(path, root)
     ids = {name: i for i, name in enumerate(classes)}
     name = os.path.basename(path)
-    others = [c for c in meta_columns] if meta_columns is not None else None
+    others = list(meta_columns) if meta_columns is not None else None
     try:
         with pq.ParquetFile(local) as table:
             if others is None:
                 others = [c for c in table.schema_arrow.names if c not in (image_column, label_column)]
             n = 0
             for group in range(table.metadata.num_row_groups):
-                # The image bytes are read only to learn their sizes (the plan's shard sizes).
-                batch = table.read_row_group(group, columns=[image_column, *([label_column] if label_column else []),
-                                                             *others], use_threads=False)
-                images = batch.column(image_column).combine_chunks()
-                sizes = pc.binary_length(images.field("bytes")).to_pylist()
-                paths = images.field("path").to_pylist() if images.type.get_field_index("path") >= 0 \
-                    else [None] * len(images)
-                labels = batch.column(label_column).to_pylist() if label_column else [None] * len(images)
-                metas = batch.select(others).to_pylist()
-                for size, image_path, raw_label, meta in zip(sizes, paths, labels, metas):
+                for size, image_path, raw_label, meta in _row_group(table, group, image_column, label_column, others):
                     label = label_id(raw_label, ids, numeric, len(classes)) if label_column else None
                     meta = {k: jsonable(v) for k, v in meta.items()}
                     if size is not None:
-                        record = SourceRecord(f"{ROW_PREFIX}{n}", label, size, meta, name=f"{name}#row={n}",
-                                              group=f"{name}#window={windows[group]}")
+                        record = SourceRecord(
+                            f"{ROW_PREFIX}{n}",
+                            label,
+                            size,
+                            meta,
+                            name=f"{name}#row={n}",
+                            group=f"{name}#window={windows[group]}",
+                        )
                     else:
-                        record = files.record(image_path, label, meta, f"row {n}",
-                                              f"row {n}: neither bytes nor a path in {image_column!r}")
+                        record = files.record(
+                            image_path,
+                            label,
+                            meta,
+                            f"row {n}",
+                            f"row {n}: neither bytes nor a path in {image_column!r}",
+                        )
                     if record.problem is None and label is None and label_column:
                         record.problem = ("label_unknown", f"row {n}: label {raw_label!r} is not in the class map")
                     yield record
                     n += 1
     finally:
         discard_copy(path, local)
+
+
+def _row_group(
+    table, group: int, image_column: str, label_column: str | None, others: list[str]
+) -> Iterator[tuple[int | None, str | None, object, dict]]:
+    """One row group's rows as (image bytes' size, image path, label as stored, the kept columns);
+    an image without bytes (or path) gives None there."""
+    import pyarrow.compute as pc
+
+    # The image bytes are read only to learn their sizes (the plan's shard sizes).
+    batch = table.read_row_group(
+        group, columns=[image_column, *([label_column] if label_column else []), *others], use_threads=False
+    )
+    images = batch.column(image_column).combine_chunks()
+    sizes = pc.binary_length(images.field("bytes")).to_pylist()
+    paths = images.field("path").to_pylist() if images.type.get_field_index("path") >= 0 else [None] * len(images)
+    labels = batch.column(label_column).to_pylist() if label_column else [None] * len(images)
+    metas = batch.select(others).to_pylist()
+    return zip(sizes, paths, labels, metas)
 
 
 class EmbeddedImages:
@@ -185,15 +231,19 @@ class EmbeddedImages:
         for group in range(self._file.metadata.num_row_groups):
             self._starts.append(start)
             start += self._file.metadata.row_group(group).num_rows
-        self._cache: OrderedDict[int, object] = OrderedDict()
+        self._cache: OrderedDict[int, Any] = OrderedDict()  # pyarrow arrays
         self.row_groups_read = 0
 
     def read(self, row: int) -> bytes:
         group = bisect.bisect_right(self._starts, row) - 1
         images = self._cache.get(group)
         if images is None:
-            images = self._file.read_row_group(group, columns=[self.column], use_threads=False).column(0) \
-                .combine_chunks().field("bytes")
+            images = (
+                self._file.read_row_group(group, columns=[self.column], use_threads=False)
+                .column(0)
+                .combine_chunks()
+                .field("bytes")
+            )
             self.row_groups_read += 1
             self._cache[group] = images
             while len(self._cache) > 1 and sum(v.nbytes for v in self._cache.values()) > 2 * WINDOW_BYTES:
@@ -226,4 +276,3 @@ def row_reader(path: str, image_column: str, read_file: Callable[[str], bytes]):
         yield read
     finally:
         images.close()
-

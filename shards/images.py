@@ -90,13 +90,19 @@ def _pixel_limit(limit: int):
 
 # What the first bytes of each kept format are: --no-validate still refuses to pack bytes that
 # are not the image their name claims (a text file renamed .jpg, /etc/passwd listed in a manifest).
-SIGNATURES = {"jpg": (b"\xff\xd8\xff",), "jpeg": (b"\xff\xd8\xff",), "png": (b"\x89PNG\r\n\x1a\n",),
-              "webp": (b"RIFF",)}
+SIGNATURES = {"jpg": (b"\xff\xd8\xff",), "jpeg": (b"\xff\xd8\xff",), "png": (b"\x89PNG\r\n\x1a\n",), "webp": (b"RIFF",)}
 
 
 # Formats recognised by their first bytes alone (what a downloaded body is, whatever its server says).
-SNIFFED = (("jpg", b"\xff\xd8\xff"), ("png", b"\x89PNG\r\n\x1a\n"), ("gif", b"GIF87a"), ("gif", b"GIF89a"),
-           ("bmp", b"BM"), ("tiff", b"II*\x00"), ("tiff", b"MM\x00*"))
+SNIFFED = (
+    ("jpg", b"\xff\xd8\xff"),
+    ("png", b"\x89PNG\r\n\x1a\n"),
+    ("gif", b"GIF87a"),
+    ("gif", b"GIF89a"),
+    ("bmp", b"BM"),
+    ("tiff", b"II*\x00"),
+    ("tiff", b"MM\x00*"),
+)
 
 
 def sniff(data: bytes) -> str | None:
@@ -125,9 +131,7 @@ def _normalise(data: bytes, opts: ImageOptions) -> Encoded:
         raise Rejected("corrupt", f"header unreadable: {e}") from None
     width, height = image.size
     if width * height > opts.max_pixels:
-        raise Rejected(
-            "decompression_bomb", f"{width}x{height} = {width * height} pixels > limit {opts.max_pixels}"
-        )
+        raise Rejected("decompression_bomb", f"{width}x{height} = {width * height} pixels > limit {opts.max_pixels}")
     try:
         orientation = image.getexif().get(ORIENTATION_TAG, 1)
     except Exception:  # a broken EXIF block is not worth losing the image for

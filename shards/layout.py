@@ -1,22 +1,22 @@
 """Where everything lives in a destination (DEST), for every version of a dataset.
 
-    PREFIX-000000.tar, PREFIX-000000.idx, ...   the shards and their DALI indexes, of every version
-    dataset.json                                the latest version; written last, a reader trusts nothing else
-    dataset.v1.json, dataset.v2.json, ...       each version's manifest, never rewritten (a pinned reader's)
-    rejects.jsonl, duplicates.jsonl             what was left out, with the source and the reason (all versions)
-    _work/                                      version 1's work; _work/vN/ holds version N's (`--extend`):
-      plan/header.json                          the shard plan's header (written last: its commit mark)
-      plan/part-00000.jsonl.gz, ...             the plan's items, one slice per part of the job (or per
-                                                bucket, for a plan made in shares: shards/array_plan.py)
-      plan/spread/                              a plan in shares while it is made: spread.json (share count,
-                                                fingerprint), labels-, spill- and bucket-NNNNN.json (each
-                                                unit's result), spill-NNNNN-RRRR-TOKEN.bin (a share's runs),
-                                                *.claim; deleted once the header exists
-      plan/duplicates.jsonl.gz                  the duplicates the plan found
-      plan/digests.bin                          the planned inputs' content digests (deduplicated plans)
-      plan/claim.json                           which task plans (only while it plans)
-      shards/PREFIX-000000.tar.json             one record per finished shard (its commit mark)
-      base-rejects.jsonl, base-duplicates.jsonl the version extended's, as its plan found them (vN only)
+PREFIX-000000.tar, PREFIX-000000.idx, ...   the shards and their DALI indexes, of every version
+dataset.json                                the latest version; written last, a reader trusts nothing else
+dataset.v1.json, dataset.v2.json, ...       each version's manifest, never rewritten (a pinned reader's)
+rejects.jsonl, duplicates.jsonl             what was left out, with the source and the reason (all versions)
+_work/                                      version 1's work; _work/vN/ holds version N's (`--extend`):
+  plan/header.json                          the shard plan's header (written last: its commit mark)
+  plan/part-00000.jsonl.gz, ...             the plan's items, one slice per part of the job (or per
+                                            bucket, for a plan made in shares: shards/array_plan.py)
+  plan/spread/                              a plan in shares while it is made: spread.json (share count,
+                                            fingerprint), labels-, spill- and bucket-NNNNN.json (each
+                                            unit's result), spill-NNNNN-RRRR-TOKEN.bin (a share's runs),
+                                            *.claim; deleted once the header exists
+  plan/duplicates.jsonl.gz                  the duplicates the plan found
+  plan/digests.bin                          the planned inputs' content digests (deduplicated plans)
+  plan/claim.json                           which task plans (only while it plans)
+  shards/PREFIX-000000.tar.json             one record per finished shard (its commit mark)
+  base-rejects.jsonl, base-duplicates.jsonl the version extended's, as its plan found them (vN only)
 """
 
 from __future__ import annotations
@@ -47,10 +47,11 @@ def shard_name(prefix: str, index: int) -> str:
 @dataclass(frozen=True)
 class Work:
     """The work files of one version of a dataset: the first under `_work/`, version N under `_work/vN/`."""
+
     root: str = "_work"
 
     @classmethod
-    def of(cls, version: int) -> "Work":
+    def of(cls, version: int) -> Work:
         return cls() if version == 1 else cls(f"_work/v{version}")
 
     @property

@@ -12,11 +12,11 @@ import json
 import os
 import posixpath
 import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
-from vitforge.core import object_store, without_userinfo
 from vitforge.core import is_remote as is_url
+from vitforge.core import object_store, without_userinfo
 
 from .records import Corpus, SourceError, SourceRecord, display_path
 
@@ -24,8 +24,9 @@ from .records import Corpus, SourceError, SourceRecord, display_path
 EXPECTED_TYPES = {"path": "string", "label": "string (class name) or integer (class id)"}
 
 
-def _manifest_rows(path: str, local, typed: dict[str, str], columns: list[str] | None = None,
-                   share: ParquetShare | None = None) -> Iterator[dict]:
+def _manifest_rows(
+    path: str, local, typed: dict[str, str], columns: list[str] | None = None, share: ParquetShare | None = None
+) -> Iterator[dict]:
     """The rows of the manifest `path` (read from `local`: a path, or a file object), once the
     columns in `typed` (column -> "path" or "label") hold the types they must: checked in the
     Parquet schema, or in every JSON row (CSV cells are all strings). Streamed: a line, or a
@@ -38,8 +39,10 @@ def _manifest_rows(path: str, local, typed: dict[str, str], columns: list[str] |
             schema = table.schema_arrow
             for column, role in typed.items():
                 if column in schema.names and not _arrow_type_fits(schema.field(column).type, role):
-                    raise SourceError(f"{path}: column {column!r} has type {schema.field(column).type}; "
-                                      f"expected {EXPECTED_TYPES[role]}")
+                    raise SourceError(
+                        f"{path}: column {column!r} has type {schema.field(column).type}; "
+                        f"expected {EXPECTED_TYPES[role]}"
+                    )
             # one thread: pyarrow's pool could abort the process at exit ("terminate called without an
             # active exception")
             groups = list(share.row_groups) if share is not None else None
@@ -72,13 +75,13 @@ def _json_row(path: str, n: int, line: str, typed: dict[str, str]) -> dict:
         raise SourceError(f"{path}:{n}: not a JSON object but {cell(row)}")
     for column, role in typed.items():
         if not _value_fits(row.get(column), role):
-            raise SourceError(f"{path}:{n}: column {column!r} is {cell(row[column])}; "
-                              f"expected {EXPECTED_TYPES[role]}")
+            raise SourceError(f"{path}:{n}: column {column!r} is {cell(row[column])}; expected {EXPECTED_TYPES[role]}")
     return row
 
 
-def _manifest_summary(path: str, local: str, typed: dict[str, str],
-                      label_column: str | None) -> tuple[list | None, set]:
+def _manifest_summary(
+    path: str, local: str, typed: dict[str, str], label_column: str | None
+) -> tuple[list | None, set]:
     """The first pass: the first row's columns (None: no rows) and the distinct labels, after every
     row passed the checks of `_manifest_rows` (so a bad row stops the run before any record)."""
     if path.lower().endswith(".parquet"):
@@ -86,7 +89,7 @@ def _manifest_summary(path: str, local: str, typed: dict[str, str],
 
         with pq.ParquetFile(local) as table:
             names = table.schema_arrow.names if table.metadata.num_rows else None
-        labels = set()
+        labels: set[str] = set()
         if names is not None and label_column in names:  # the label column alone: cheap
             labels.update(row[label_column] for row in _manifest_rows(path, local, typed, [label_column]))
         return names, labels
@@ -131,14 +134,28 @@ def _value_fits(value, role: str) -> bool:
 
 def cell(value) -> str:
     """A JSON value's type and a short form of it, for an error message."""
-    kinds = {type(None): "null", bool: "a boolean", int: "an integer", float: "a float", str: "a string",
-             list: "an array", dict: "an object"}
+    kinds = {
+        type(None): "null",
+        bool: "a boolean",
+        int: "an integer",
+        float: "a float",
+        str: "a string",
+        list: "an array",
+        dict: "an object",
+    }
     shown = repr(value)
     return f"{kinds.get(type(value), type(value).__name__)} ({shown[:40] + '...' if len(shown) > 40 else shown})"
 
 
-def from_manifest(path: str, classes: list[str] | None, path_column: str, label_column: str | None,
-                   root: str | None, url_list: bool = False, meta_columns: tuple[str, ...] | None = None) -> Corpus:
+def from_manifest(
+    path: str,
+    classes: list[str] | None,
+    path_column: str,
+    label_column: str | None,
+    root: str | None,
+    url_list: bool = False,
+    meta_columns: tuple[str, ...] | None = None,
+) -> Corpus:
     """`label_column` None: an unlabelled corpus. Every column but the path and the label is kept as
     metadata, or only `meta_columns` when given. `url_list`: the path column holds http(s) URLs to
     download (a URL list: no root applies, a row with any other value is a `bad_url` reject).
@@ -164,8 +181,9 @@ def from_manifest(path: str, classes: list[str] | None, path_column: str, label_
         discard_copy(path, local)
         raise
     classes, numeric = class_map(labels, classes, bool(label_column))
-    records = _manifest_records(path, local, typed, classes, numeric, path_column, label_column, root, url_list,
-                                meta_columns)
+    records = _manifest_records(
+        path, local, typed, classes, numeric, path_column, label_column, root, url_list, meta_columns
+    )
     return Corpus(records, list(classes))
 
 
@@ -187,6 +205,7 @@ def class_map(labels: set, classes: list[str] | None, labelled: bool) -> tuple[l
 class ParquetShare:
     """Rows `rows` of a Parquet file (numbered in the file), in its row groups `row_groups`, the
     first of which starts at row `first_row`."""
+
     rows: range
     row_groups: range
     first_row: int
@@ -197,26 +216,37 @@ def parquet_share_labels(path: str, local, label_column: str, share: ParquetShar
     return {row[label_column] for row in _manifest_rows(path, local, {label_column: "label"}, [label_column], share)}
 
 
-def parquet_share_records(path: str, local, classes: list[str], numeric: bool, path_column: str,
-                          label_column: str | None, root: str | None, url_list: bool,
-                          meta_columns: tuple[str, ...] | None, share: ParquetShare) -> Iterator[SourceRecord]:
+def parquet_share_records(
+    path: str,
+    local,
+    classes: list[str],
+    numeric: bool,
+    path_column: str,
+    label_column: str | None,
+    root: str | None,
+    url_list: bool,
+    meta_columns: tuple[str, ...] | None,
+    share: ParquetShare,
+) -> Iterator[SourceRecord]:
     """The records of a share of a Parquet manifest, as `from_manifest` makes them (rows numbered
     in the file)."""
     typed = {path_column: "path", **({label_column: "label"} if label_column else {})}
-    return _manifest_records(path, local, typed, classes, numeric, path_column, label_column, root, url_list,
-                             meta_columns, share)
+    return _manifest_records(
+        path, local, typed, classes, numeric, path_column, label_column, root, url_list, meta_columns, share
+    )
 
 
 @dataclass(frozen=True)
 class FileRows:
     """How a listing's rows that name files become records: a path relative to the listing's
     folder resolves against it, and must lie inside the root (the folder unless --root says)."""
+
     root: str
     base: str
     inside: Callable[[str], bool]
 
     @classmethod
-    def of(cls, listing: str, root: str | None) -> "FileRows":
+    def of(cls, listing: str, root: str | None) -> FileRows:
         base = listing.rsplit("/", 1)[0] if "/" in listing else "."
         return cls(root or base, base, root_check(root or base))
 
@@ -228,27 +258,43 @@ class FileRows:
         if not raw_path:
             record.problem = ("missing_path", missing)
         elif not self.inside(source):
-            record.problem = ("outside_root", f"{where}: {display_path(str(raw_path))!r} resolves outside "
-                                              f"{display_path(self.root)!r} (widen with --root)")
+            record.problem = (
+                "outside_root",
+                f"{where}: {display_path(str(raw_path))!r} resolves outside "
+                f"{display_path(self.root)!r} (widen with --root)",
+            )
         return record
 
 
-def _manifest_records(path: str, local, typed: dict[str, str], classes: list[str], numeric: bool,
-                      path_column: str, label_column: str | None, root: str | None, url_list: bool,
-                      meta_columns: tuple[str, ...] | None,
-                      share: ParquetShare | None = None) -> Iterator[SourceRecord]:
+def _manifest_records(
+    path: str,
+    local,
+    typed: dict[str, str],
+    classes: list[str],
+    numeric: bool,
+    path_column: str,
+    label_column: str | None,
+    root: str | None,
+    url_list: bool,
+    meta_columns: tuple[str, ...] | None,
+    share: ParquetShare | None = None,
+) -> Iterator[SourceRecord]:
     files = FileRows.of(path, root)
     ids = {name: i for i, name in enumerate(classes)}
-    kept = (lambda k: k in meta_columns) if meta_columns is not None else (lambda k: k not in (path_column,
-                                                                                              label_column))
+    kept = (
+        (lambda k: k in meta_columns) if meta_columns is not None else (lambda k: k not in (path_column, label_column))
+    )
     try:
         for n, row in enumerate(_manifest_rows(path, local, typed, share=share), share.rows.start + 1 if share else 1):
             raw_path, raw_label = row.get(path_column), row.get(label_column)
             meta = {k: jsonable(v) for k, v in row.items() if kept(k)}
             label = label_id(raw_label, ids, numeric, len(classes)) if label_column else None
             missing = f"manifest row {n} has an empty {path_column!r}"
-            record = _url_record(raw_path, label, meta, n, missing) if url_list else \
-                files.record(raw_path, label, meta, f"manifest row {n}", missing)
+            record = (
+                _url_record(raw_path, label, meta, n, missing)
+                if url_list
+                else files.record(raw_path, label, meta, f"manifest row {n}", missing)
+            )
             if record.problem is None and label is None and label_column:
                 record.problem = ("label_unknown", f"manifest row {n}: label {raw_label!r} is not in the class map")
             yield record
@@ -264,8 +310,10 @@ def _url_record(raw_url, label: int | None, meta: dict, n: int, missing: str) ->
         record.problem = ("missing_path", missing)
     elif hidden != source:  # kept nowhere: not in the plan, the rejects or a log
         record.source = record.name = hidden
-        record.problem = ("bad_url", f"manifest row {n}: a URL with user:password@ is not downloaded "
-                                     "(credentials never come from a URL)")
+        record.problem = (
+            "bad_url",
+            f"manifest row {n}: a URL with user:password@ is not downloaded (credentials never come from a URL)",
+        )
     elif not source.lower().startswith(("http://", "https://")):
         record.problem = ("bad_url", f"manifest row {n}: {display_path(source[:80])!r} is not an http(s) URL")
     return record
@@ -335,7 +383,7 @@ def resolve_path(path: str, base: str) -> str:
     if not path or path.startswith("/"):
         return path
     if path.startswith("file://"):
-        return path[len("file://"):]
+        return path[len("file://") :]
     return _normalise_url(posixpath.join(base, path)) if is_url(base) else os.path.join(base, path)
 
 

@@ -108,7 +108,7 @@ async def _load(origin: str, fetch) -> tuple[Protego | str, int]:
     and the bytes it holds."""
     try:
         status, body = await fetch(f"{origin}/robots.txt")
-    except (OSError, asyncio.TimeoutError) as e:
+    except (TimeoutError, OSError) as e:
         return f"robots.txt of {origin} unreachable ({type(e).__name__}): RFC 9309 says disallow", 0
     if 400 <= status < 500:
         return ALLOW_ALL, 0

@@ -10,8 +10,9 @@ from __future__ import annotations
 import multiprocessing
 import os
 from collections import deque
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
-from typing import Callable, Iterable, Iterator, TypeVar
+from collections.abc import Callable, Generator, Iterable
+from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
+from typing import TypeVar
 
 from vitforge.core.process import die_with_parent
 
@@ -23,12 +24,19 @@ def _run_chunk(fn, chunk):
     return [fn(item) for item in chunk]
 
 
-def ordered_map(fn: Callable[[T], R], items: Iterable[T], workers: int, chunk_size: int = 8,
-                window_per_worker: int = 4, threads: bool = False) -> Iterator[R]:
+def ordered_map(
+    fn: Callable[[T], R],
+    items: Iterable[T],
+    workers: int,
+    chunk_size: int = 8,
+    window_per_worker: int = 4,
+    threads: bool = False,
+) -> Generator[R, None, None]:
     """`threads=True` suits work that releases the GIL (file reads, hashing)."""
     if workers <= 1:
         yield from map(fn, items)
         return
+    executor: Executor
     if threads:
         executor = ThreadPoolExecutor(workers)
     else:
@@ -36,8 +44,12 @@ def ordered_map(fn: Callable[[T], R], items: Iterable[T], workers: int, chunk_si
         # object_store's clients are forgotten in forked children. A fork pool forks every worker at
         # its first submit: done here, before `items` is first read, since reading it may start
         # threads (the URL downloader's event loop) whose half-held locks a fork would copy.
-        executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
-                                       initializer=die_with_parent, initargs=(os.getpid(),))
+        executor = ProcessPoolExecutor(
+            workers,
+            mp_context=multiprocessing.get_context("fork"),
+            initializer=die_with_parent,
+            initargs=(os.getpid(),),
+        )
     with executor as pool:
         if not threads:
             pool.submit(int).result()

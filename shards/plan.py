@@ -12,10 +12,8 @@ keys' top bits (one below that, so a small corpus is cut as a whole, as here), a
 cut on its own, at the price of one short shard per bucket (0.1% more shards at 10,000 a shard).
 
 Scale: only the planner holds the whole listing, as columns (`Inputs`: about 50 bytes per input
-plus its source path and metadata as UTF-8, no Python object per input). It stores the plan as
-gzip'd JSON-lines slices (one per part of the job, or one per bucket when the array planned it)
-and a small header written last (the commit mark), so a task reads only the slices that hold its
-shards and a plan cut short is never taken for complete.
+plus its source path and metadata as UTF-8, no Python object per input). It writes the plan as
+plan_slices.py reads it: slices first, the header last.
 """
 
 from __future__ import annotations
@@ -24,35 +22,22 @@ import gzip
 import hashlib
 import json
 from array import array
-from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import numpy as np
-
-from vitforge.core import UsageError
 
 from .digests import DigestTable, Duplicate, content_digests, within
 from .layout import FIRST, Work, shard_name
 from .parallel import ordered_map
+from .plan_slices import PlanHeader, part_range
 from .sources import Corpus, SourceRecord, read_source
 
 # Per-sample tar overhead beyond the image: three headers, the .cls and .json members, padding.
 SAMPLE_OVERHEAD = 4 * 512
-PLAN_FORMAT = "vitforge.shard-plan"
-PLAN_FORMAT_VERSION = 2
-SLICED_FORMAT_VERSION = 3  # slices numbered within themselves (slice_shards): what an older vitforge cannot read
 _CUT_CHUNK = 1 << 16  # positions turned into Python ints at a time while cutting shards
 BUCKET_INPUTS = 1 << 20  # the inputs a bucket holds, on average (the shuffle keys are uniform)
 SUB_BUCKETS = 4096  # buckets are runs of these, by the keys' top 12 bits: a spill's sections
-
-
-@dataclass
-class PlanItem:
-    key: str
-    source: str
-    label: int | None
-    meta: dict = field(default_factory=dict)
-    problem: list | None = None
 
 
 class Inputs:
@@ -67,10 +52,10 @@ class Inputs:
         self._metas, self._meta_ends = bytearray(), array("q")
         self.labels = array("i")  # -1: no label
         self.sizes = array("q")
-        self.problems: dict[int, tuple[str, str]] = {}
+        self.problems: dict[int, tuple[str, ...]] = {}  # (reason, detail)
 
     @classmethod
-    def of(cls, records: Iterable[SourceRecord], seed: int) -> "Inputs":
+    def of(cls, records: Iterable[SourceRecord], seed: int) -> Inputs:
         inputs = cls(seed)
         for record in records:
             inputs.add(record)
@@ -97,97 +82,46 @@ class Inputs:
 
     def source(self, i: int) -> str:
         start = self._source_ends[i - 1] if i else 0
-        return self._sources[start:self._source_ends[i]].decode("utf-8", "surrogatepass")
+        return self._sources[start : self._source_ends[i]].decode("utf-8", "surrogatepass")
 
     def line(self, i: int, shard: int, position: int) -> bytes:
-        """Row `i` as one JSON-lines row of a plan slice (read back by `load_slice`)."""
+        """Row `i` as one JSON-lines row of a plan slice (read back by plan_slices.py's `load_slice`)."""
         return b'[%d,"%09d",%s' % (shard, position, self.tail(i))
 
     def tail(self, i: int) -> bytes:
         """Row `i`'s line after its shard and position: source, label, meta, problem."""
         start = self._meta_ends[i - 1] if i else 0
-        meta = self._metas[start:self._meta_ends[i]] or b"{}"
+        meta = self._metas[start : self._meta_ends[i]] or b"{}"
         label = self.labels[i]
         problem = self.problems.get(i)
-        return b'%s,%s,%s,%s]\n' % (json.dumps(self.source(i)).encode(), b"null" if label < 0 else b"%d" % label,
-                                     meta, json.dumps(list(problem)).encode() if problem else b"null")
+        return b"%s,%s,%s,%s]\n" % (
+            json.dumps(self.source(i)).encode(),
+            b"null" if label < 0 else b"%d" % label,
+            meta,
+            json.dumps(list(problem)).encode() if problem else b"null",
+        )
 
     def keys(self) -> np.ndarray:
         """(N, 2) big-endian uint64: sorting rows by them sorts by the 16-byte keys."""
         return np.frombuffer(self._keys, dtype=">u8").reshape(-1, 2)  # a view: add nothing while it lives
 
     def nbytes(self) -> int:
-        return (len(self._keys) + len(self._sources) + len(self._metas) + 8 * len(self._source_ends)
-                + 8 * len(self._meta_ends) + 4 * len(self.labels) + 8 * len(self.sizes))
-
-
-@dataclass
-class PlanHeader:
-    """What every task and the merge read: small, whatever the corpus size. An extension's plan
-    (`--extend`) numbers its shards and sample keys on from the version it extends."""
-    fingerprint: str
-    parameters: dict
-    classes: list[str]
-    inputs: int
-    shards: int
-    parts: int  # the slices were cut for this many parts
-    duplicates: int
-    first_shard: int = 0  # the number of this plan's first shard
-    first_position: int = 0  # the position (sample key) of this plan's first input
-    retried: int = 0  # a retry's rows, each a reject of an earlier version (`--retry-failed`)
-    job: str | None = None  # the array job that planned a retry ("slurm:1234"), so its late tasks know it
-    # A plan made across the array has one slice per bucket, its lines numbered within the slice:
-    # each slice's shards and inputs, in order (None: slices of equal shard ranges, numbered globally).
-    slice_shards: list[int] | None = None
-    slice_inputs: list[int] | None = None
-
-    def shard_range(self, part: int, num_parts: int) -> range:
-        """The shard numbers `part` of `num_parts` builds."""
-        local = _part_range(self.shards, part, num_parts)
-        return range(self.first_shard + local.start, self.first_shard + local.stop)
-
-    def all_shards(self) -> range:
-        return range(self.first_shard, self.first_shard + self.shards)
-
-    def slices_holding(self, shards: range) -> list[int]:
-        """The slices that hold any of `shards`: a task reads the one or few slices that overlap its
-        shards (one when its --num-parts is the planner's)."""
-        return [p for p in range(self.parts)
-                if (r := self.slice_range(p)) and r.start < shards.stop and shards.start < r.stop]
-
-    def slice_range(self, p: int) -> range:
-        """The shard numbers slice `p` holds."""
-        if self.slice_shards is None:
-            return self.shard_range(p, self.parts)
-        start = self.first_shard + sum(self.slice_shards[:p])
-        return range(start, start + self.slice_shards[p])
-
-    def slice_numbering(self, p: int) -> tuple[int, int]:
-        """What to add to slice `p`'s shard and position numbers to make them the dataset's."""
-        if self.slice_shards is None:
-            return 0, 0
-        return self.slice_range(p).start, self.first_position + sum(self.slice_inputs[:p])
-
-    def to_bytes(self) -> bytes:
-        optional = ("first_shard", "first_position", "retried", "job", "slice_shards", "slice_inputs")
-        fields = {k: v for k, v in asdict(self).items() if v or k not in optional}
-        version = PLAN_FORMAT_VERSION if self.slice_shards is None else SLICED_FORMAT_VERSION
-        return json.dumps({"format": PLAN_FORMAT, "format_version": version, **fields}, sort_keys=True,
-                          indent=1).encode()
-
-    @staticmethod
-    def from_bytes(data: bytes, where: str) -> "PlanHeader":
-        raw = json.loads(data)
-        if raw.pop("format", None) != PLAN_FORMAT or raw.pop("format_version", None) not in (PLAN_FORMAT_VERSION,
-                                                                                             SLICED_FORMAT_VERSION):
-            raise UsageError(f"{where}: not a {PLAN_FORMAT} v{PLAN_FORMAT_VERSION} or v{SLICED_FORMAT_VERSION} header")
-        return PlanHeader(**raw)
+        return (
+            len(self._keys)
+            + len(self._sources)
+            + len(self._metas)
+            + 8 * len(self._source_ends)
+            + 8 * len(self._meta_ends)
+            + 4 * len(self.labels)
+            + 8 * len(self.sizes)
+        )
 
 
 @dataclass
 class Plan:
     """The whole plan, held by the planner only: the columns plus two int64 arrays (8 bytes per
     kept input for the order, 8 per shard for the boundaries) and the duplicates' rows."""
+
     fingerprint: str
     parameters: dict
     classes: list[str]
@@ -204,28 +138,46 @@ class Plan:
         return len(self.bounds) - 1
 
     def header(self, parts: int) -> PlanHeader:
-        return PlanHeader(self.fingerprint, self.parameters, self.classes, len(self.inputs), self.num_shards,
-                          parts, len(self.duplicates), self.first_shard, self.first_position)
+        return PlanHeader(
+            self.fingerprint,
+            self.parameters,
+            self.classes,
+            len(self.inputs),
+            self.num_shards,
+            parts,
+            len(self.duplicates),
+            self.first_shard,
+            self.first_position,
+        )
 
     def slice_bytes(self, part: int, parts: int) -> bytes:
         """One line per item: [shard, key, source, label, meta, problem] (meta spliced as stored)."""
-        lines = []
-        for shard in _part_range(self.num_shards, part, parts):
-            for position in range(self.bounds[shard], self.bounds[shard + 1]):
-                lines.append(self.inputs.line(int(self.order[position]), self.first_shard + shard,
-                                              self.first_position + position))
+        lines = [
+            self.inputs.line(int(self.order[position]), self.first_shard + shard, self.first_position + position)
+            for shard in part_range(self.num_shards, part, parts)
+            for position in range(self.bounds[shard], self.bounds[shard + 1])
+        ]
         return gzip.compress(b"".join(lines), compresslevel=1, mtime=0)  # mtime=0: the same bytes each run
 
     def duplicates_bytes(self) -> bytes:
-        lines = [json.dumps({"source": self.inputs.source(row),
-                             "duplicate_of": first if isinstance(first, str) else self.inputs.source(first),
-                             "sha256": digest}, sort_keys=True).encode() + b"\n"
-                 for row, first, digest in self.duplicates]
+        lines = [
+            json.dumps(
+                {
+                    "source": self.inputs.source(row),
+                    "duplicate_of": first if isinstance(first, str) else self.inputs.source(first),
+                    "sha256": digest,
+                },
+                sort_keys=True,
+            ).encode()
+            + b"\n"
+            for row, first, digest in self.duplicates
+        ]
         return gzip.compress(b"".join(lines), mtime=0)
 
 
 def write_plan(store, plan: Plan, parts: int, threads: int = 8, work: Work = FIRST) -> PlanHeader:
     """Slices, duplicates and digests first, the header last; at most 2 x `threads` slices in memory."""
+
     def put(part: int) -> None:
         store.put_bytes(work.slice(part), plan.slice_bytes(part, parts))
 
@@ -239,49 +191,6 @@ def write_plan(store, plan: Plan, parts: int, threads: int = 8, work: Work = FIR
     return header
 
 
-def read_header(store, work: Work = FIRST) -> PlanHeader | None:
-    try:
-        return PlanHeader.from_bytes(store.get_bytes(work.header), store.url(work.header))
-    except FileNotFoundError:
-        return None
-
-
-def load_slice(store, header: PlanHeader, part: int, num_parts: int,
-               work: Work = FIRST) -> dict[int, list[PlanItem]]:
-    """The items of the shards part `part` of `num_parts` builds, shard number -> items; reads only
-    the slices that hold them (one when `num_parts` is the planner's)."""
-    owned = header.shard_range(part, num_parts)
-    shards: dict[int, list[PlanItem]] = {i: [] for i in owned}
-    for p in header.slices_holding(owned):
-        data = read_slice(store, p, work)
-        first_shard, first_position = header.slice_numbering(p)
-        # One parse for the whole slice: lines hold no raw newline (JSON escapes it).
-        for shard, key, *fields in json.loads(b"[" + data.rstrip(b"\n").replace(b"\n", b",") + b"]"):
-            if shard + first_shard in shards:
-                key = f"{int(key) + first_position:09d}" if first_position else key
-                shards[shard + first_shard].append(PlanItem(key, *fields))
-    return shards
-
-
-def plan_lines(store, header: PlanHeader, work: Work = FIRST) -> Iterator[tuple[str, bytes]]:
-    """Every planned row as (its sample key, the rest of its line: source, label, meta, problem)."""
-    for p in range(header.parts):
-        first_position = header.slice_numbering(p)[1]
-        for line in read_slice(store, p, work).splitlines():
-            _, quoted, rest = line[1:].split(b",", 2)  # [shard,"key",... : neither holds a comma
-            key = json.loads(quoted)
-            yield (f"{int(key) + first_position:09d}" if first_position else key), rest
-
-
-def read_slice(store, part: int, work: Work = FIRST) -> bytes:
-    """One slice of a complete plan, decompressed: JSON lines [shard, key, source, label, meta, problem]."""
-    try:
-        return gzip.decompress(store.get_bytes(work.slice(part)))
-    except FileNotFoundError:
-        raise UsageError(f"{store.url(work.slice(part))}: a slice of a complete plan is missing; delete "
-                         f"{store.url(work.plan_dir)} and rerun to plan again (same inputs, same plan)") from None
-
-
 def synthetic_inputs(n: int, seed: int = 0, num_classes: int = 1000, mean_bytes: int = 110_000) -> Inputs:
     """`n` made-up inputs (ImageNet-like paths and sizes, nothing on disk): what a benchmark plans
     to measure the planner at scale without listing a corpus."""
@@ -289,8 +198,9 @@ def synthetic_inputs(n: int, seed: int = 0, num_classes: int = 1000, mean_bytes:
     for i in range(n):
         label = i % num_classes
         name = f"n{label:08d}/n{label:08d}_{i:09d}.JPEG"
-        inputs.add(SourceRecord(f"/data/train/{name}", label, mean_bytes // 2 + (i * 2654435761) % mean_bytes,
-                                name=name))
+        inputs.add(
+            SourceRecord(f"/data/train/{name}", label, mean_bytes // 2 + (i * 2654435761) % mean_bytes, name=name)
+        )
     return inputs
 
 
@@ -298,32 +208,48 @@ def fingerprint(parameters: dict) -> str:
     return hashlib.sha256(json.dumps(parameters, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def make_plan(corpus: Corpus, parameters: dict, *, seed: int, shard_bytes: int | None,
-              shard_samples: int | None, dedup: bool, threads: int = 8) -> Plan:
-    return plan_inputs(Inputs.of(corpus.records, seed), corpus.classes, parameters, shard_bytes=shard_bytes,
-                       shard_samples=shard_samples, dedup=dedup, threads=threads)
+def make_plan(
+    corpus: Corpus,
+    parameters: dict,
+    *,
+    seed: int,
+    shard_bytes: int | None,
+    shard_samples: int | None,
+    dedup: bool,
+    threads: int = 8,
+) -> Plan:
+    return plan_inputs(
+        Inputs.of(corpus.records, seed),
+        corpus.classes,
+        parameters,
+        shard_bytes=shard_bytes,
+        shard_samples=shard_samples,
+        dedup=dedup,
+        threads=threads,
+    )
 
 
-def plan_inputs(inputs: Inputs, classes: list[str], parameters: dict, *, shard_bytes: int | None,
-                shard_samples: int | None, dedup: bool, threads: int = 8,
-                read: Callable[[str], bytes] = read_source, existing: DigestTable | None = None,
-                first_shard: int = 0, first_position: int = 0) -> Plan:
+def plan_inputs(
+    inputs: Inputs,
+    classes: list[str],
+    parameters: dict,
+    *,
+    shard_bytes: int | None,
+    shard_samples: int | None,
+    dedup: bool,
+    threads: int = 8,
+    read: Callable[[str], bytes] = read_source,
+    existing: DigestTable | None = None,
+    first_shard: int = 0,
+    first_position: int = 0,
+) -> Plan:
     """`read`: how dedup gets an input's bytes (a benchmark passes synthetic content). `existing`:
     the digests of the dataset this plan extends; an input whose content it holds is a duplicate
     of that sample, named "SHARD#KEY" (an extension always deduplicates)."""
     duplicates: list[Duplicate] = []
     digests = None
     if dedup:
-        digests, valid = content_digests(len(inputs), _readable(inputs), threads, read)
-        rows = np.flatnonzero(valid)
-        if existing is not None:
-            found = existing.find(digests[rows])
-            prefix = parameters["prefix"]
-            duplicates = [(int(row), f"{shard_name(prefix, int(existing.records['shard'][at]))}#"
-                                     f"{int(existing.records['position'][at]):09d}", digests[row].tobytes().hex())
-                          for row, at in zip(rows[found >= 0], found[found >= 0])]
-            rows = rows[found < 0]
-        duplicates = sorted(duplicates + within(digests, rows), key=lambda d: d[0])
+        duplicates, digests, valid = _duplicates(inputs, parameters, threads, read, existing)
     kept = np.ones(len(inputs), dtype=bool)
     kept[[row for row, _, _ in duplicates]] = False
     rows = np.flatnonzero(kept)
@@ -337,8 +263,41 @@ def plan_inputs(inputs: Inputs, classes: list[str], parameters: dict, *, shard_b
         positions = np.flatnonzero(valid[order])
         shards = np.searchsorted(bounds, positions, side="right") - 1
         table = DigestTable.of(digests[order[positions]], first_shard + shards, first_position + positions)
-    return Plan(fingerprint(parameters), parameters, classes, inputs, order, bounds, duplicates, table,
-                first_shard, first_position)
+    return Plan(
+        fingerprint(parameters),
+        parameters,
+        classes,
+        inputs,
+        order,
+        bounds,
+        duplicates,
+        table,
+        first_shard,
+        first_position,
+    )
+
+
+def _duplicates(
+    inputs: Inputs, parameters: dict, threads: int, read: Callable[[str], bytes], existing: DigestTable | None
+) -> tuple[list[Duplicate], np.ndarray, np.ndarray]:
+    """(duplicates in listing order, every row's content digest, whether the row has one): rows whose
+    content `existing` holds, then rows whose content an earlier row has."""
+    duplicates: list[Duplicate] = []
+    digests, valid = content_digests(len(inputs), _readable(inputs), threads, read)
+    rows = np.flatnonzero(valid)
+    if existing is not None:
+        found = existing.find(digests[rows])
+        prefix = parameters["prefix"]
+        duplicates = [
+            (
+                int(row),
+                f"{shard_name(prefix, int(existing.records['shard'][at]))}#{int(existing.records['position'][at]):09d}",
+                digests[row].tobytes().hex(),
+            )
+            for row, at in zip(rows[found >= 0], found[found >= 0])
+        ]
+        rows = rows[found < 0]
+    return sorted(duplicates + within(digests, rows), key=lambda d: d[0]), digests, valid
 
 
 def buckets_for(inputs: int) -> int:
@@ -357,7 +316,7 @@ def cut(sizes: np.ndarray, order: np.ndarray, shard_bytes: int | None, shard_sam
     bounds = [0]
     count = total = 0
     for start in range(0, len(order), _CUT_CHUNK):
-        for position, size in enumerate((sizes[order[start:start + _CUT_CHUNK]] + SAMPLE_OVERHEAD).tolist(), start):
+        for position, size in enumerate((sizes[order[start : start + _CUT_CHUNK]] + SAMPLE_OVERHEAD).tolist(), start):
             if (shard_samples and count >= shard_samples) or (shard_bytes and count and total + size > shard_bytes):
                 bounds.append(position)
                 count = total = 0
@@ -366,10 +325,6 @@ def cut(sizes: np.ndarray, order: np.ndarray, shard_bytes: int | None, shard_sam
     if len(order):
         bounds.append(len(order))
     return np.asarray(bounds, dtype=np.int64)
-
-
-def _part_range(total: int, part: int, num_parts: int) -> range:
-    return range(part * total // num_parts, (part + 1) * total // num_parts)
 
 
 def _shuffle_key(seed: bytes, name: str) -> bytes:

@@ -3,8 +3,8 @@ SourceError when the corpus as a whole cannot be read."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 from vitforge.core import UsageError
 
@@ -35,6 +35,7 @@ class Corpus:
     (per input, a listing holds only the folders of a tree, the distinct labels of a manifest and
     a bounded window of records). `classes`: class id -> name, empty for an unlabelled corpus; for
     class folders without a class map it grows as the records are drawn, complete once they are."""
+
     records: Iterable[SourceRecord]
     classes: list[str]
 

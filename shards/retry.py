@@ -23,7 +23,8 @@ from .extend import Extension, version_plans
 from .images import ImageOptions
 from .layout import REJECTS_NAME
 from .manifest import history_of, jsonl_rows, read_manifest, version_of
-from .plan import PlanHeader, fingerprint, plan_lines
+from .plan import fingerprint
+from .plan_slices import PlanHeader, plan_lines
 from .url_guard import parse_networks
 
 # Settings of a URL list that a retry takes from the version that listed the rows.
@@ -40,11 +41,20 @@ def retry_settings(store, dest: str, timing: DownloadOptions) -> dict:
     last = history_of(base)[-1]
     job = _array_job()
     retry_of = last["version"] - 1 if job is not None and last.get("array_job") == job else version_of(base)
-    return dict(src=p["src"], prefix=p["prefix"], seed=p["seed"], shard_bytes=None,
-                image=ImageOptions(**p["image"]), labels=p["labels"], url_column=p["url_column"],
-                caption_column=p["caption_column"],
-                meta_columns=None if p["meta_columns"] is None else tuple(p["meta_columns"]),
-                download=download_options(p, timing), extend=True, retry_of=retry_of)
+    return {
+        "src": p["src"],
+        "prefix": p["prefix"],
+        "seed": p["seed"],
+        "shard_bytes": None,
+        "image": ImageOptions(**p["image"]),
+        "labels": p["labels"],
+        "url_column": p["url_column"],
+        "caption_column": p["caption_column"],
+        "meta_columns": None if p["meta_columns"] is None else tuple(p["meta_columns"]),
+        "download": download_options(p, timing),
+        "extend": True,
+        "retry_of": retry_of,
+    }
 
 
 def _array_job() -> str | None:
@@ -61,23 +71,32 @@ def _listing_parameters(store, base: dict, dest: str) -> dict:
         if header is not None and header.parameters.get("url_column") and "retry_of" not in header.parameters:
             listed.append((entry["version"], header.parameters))
     if not listed:
-        raise UsageError(f"{dest}: --retry-failed downloads a URL list's failures again; no version of this dataset "
-                         "was sharded from a URL list (--url-col)")
+        raise UsageError(
+            f"{dest}: --retry-failed downloads a URL list's failures again; no version of this dataset "
+            "was sharded from a URL list (--url-col)"
+        )
     kept = ("url_column", "caption_column", "meta_columns", "download")
     for version, parameters in listed[1:]:
         differ = [k for k in kept if parameters.get(k) != listed[0][1].get(k)]
         if differ:
-            raise UsageError(f"{dest}: versions {listed[0][0]} and {version} were listed with other "
-                             f"{', '.join(differ)}; --retry-failed fetches every failed row with one set of them")
+            raise UsageError(
+                f"{dest}: versions {listed[0][0]} and {version} were listed with other "
+                f"{', '.join(differ)}; --retry-failed fetches every failed row with one set of them"
+            )
     return listed[-1][1]
 
 
 def download_options(parameters: dict, timing: DownloadOptions) -> DownloadOptions:
     """`timing`'s concurrency, timeouts and retries with the listing version's output settings."""
     saved = parameters["download"]
-    return dataclasses.replace(timing, max_bytes=saved["max_bytes"], max_redirects=saved["max_redirects"],
-                               user_agent=saved["user_agent"], ignore_opt_outs=tuple(saved["ignore_opt_outs"]),
-                               allow_networks=parse_networks(saved["allow_networks"]))
+    return dataclasses.replace(
+        timing,
+        max_bytes=saved["max_bytes"],
+        max_redirects=saved["max_redirects"],
+        user_agent=saved["user_agent"],
+        ignore_opt_outs=tuple(saved["ignore_opt_outs"]),
+        allow_networks=parse_networks(saved["allow_networks"]),
+    )
 
 
 def write_retry_plan(store, extension: Extension, parameters: dict, shard_samples: int) -> PlanHeader:
@@ -94,11 +113,23 @@ def write_retry_plan(store, extension: Extension, parameters: dict, shard_sample
     lines = sorted(rows.items())
     work, first = extension.work, extension.first_shard
     shards = (len(lines) + shard_samples - 1) // shard_samples
-    body = b"".join(b'[%d,"%s",%s\n' % (first + i // shard_samples, key.encode(), rest)
-                    for i, (key, rest) in enumerate(lines))
+    body = b"".join(
+        b'[%d,"%s",%s\n' % (first + i // shard_samples, key.encode(), rest) for i, (key, rest) in enumerate(lines)
+    )
     store.put_bytes(work.slice(0), gzip.compress(body, compresslevel=1, mtime=0))
     store.put_bytes(work.duplicates, gzip.compress(b"", mtime=0))
-    header = PlanHeader(fingerprint(parameters), parameters, list(extension.base["classes"]), 0, shards, 1, 0,
-                        first, extension.first_position, retried=len(lines), job=_array_job())
+    header = PlanHeader(
+        fingerprint(parameters),
+        parameters,
+        list(extension.base["classes"]),
+        0,
+        shards,
+        1,
+        0,
+        first,
+        extension.first_position,
+        retried=len(lines),
+        job=_array_job(),
+    )
     store.put_bytes(work.header, header.to_bytes())
     return header

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import io
 import os
-from typing import Iterator
+from collections.abc import Iterator
 
-from vitforge.core import object_store
 from vitforge.core import is_remote as is_url
+from vitforge.core import object_store
 
 from .folders import from_class_folders, from_folder, local_files, remote_files
 from .manifests import ParquetShare, class_map, parquet_share_labels, parquet_share_records
@@ -52,8 +52,7 @@ def check_source(src: str, columns: list[str]) -> None:
         raise SourceError(f"{src}: manifest has no rows")
 
 
-def share_labels(src: str, share: tuple[int, int], label_column: str, follow_symlinks: bool,
-                 root: str | None) -> list:
+def share_labels(src: str, share: tuple[int, int], label_column: str, follow_symlinks: bool, root: str | None) -> list:
     """The distinct labels of a share: a list's label values, or the class folders holding an input."""
     src = _local(src)
     if src.lower().endswith(".parquet"):
@@ -72,15 +71,35 @@ def share_classes(src: str, labels: set, classes: list[str] | None) -> tuple[lis
     return (list(classes) if classes is not None else sorted(labels)), False
 
 
-def share_records(src: str, share: tuple[int, int], *, classes: list[str], numeric: bool, path_column: str,
-                  label_column: str | None, root: str | None, url_list: bool, meta_columns: tuple[str, ...] | None,
-                  follow_symlinks: bool) -> Iterator[SourceRecord]:
+def share_records(
+    src: str,
+    share: tuple[int, int],
+    *,
+    classes: list[str],
+    numeric: bool,
+    path_column: str,
+    label_column: str | None,
+    root: str | None,
+    url_list: bool,
+    meta_columns: tuple[str, ...] | None,
+    follow_symlinks: bool,
+) -> Iterator[SourceRecord]:
     """A share's records, as the whole listing has them (a list's rows numbered in the file)."""
     src = _local(src)
     if src.lower().endswith(".parquet"):
         with _Opened(src) as source:
-            records = parquet_share_records(src, source, classes, numeric, path_column, label_column, root,
-                                            url_list, meta_columns, _parquet_share(source, share))
+            records = parquet_share_records(
+                src,
+                source,
+                classes,
+                numeric,
+                path_column,
+                label_column,
+                root,
+                url_list,
+                meta_columns,
+                _parquet_share(source, share),
+            )
             yield from records if url_list else with_sizes(records)
         return
     files = _files(src, share, label_column is not None, follow_symlinks, root)
@@ -116,7 +135,7 @@ def _parquet_share(source, share: tuple[int, int]) -> ParquetShare:
 
 
 def _local(src: str) -> str:
-    return src[len("file://"):] if src.startswith("file://") else src
+    return src[len("file://") :] if src.startswith("file://") else src
 
 
 class _RangeFile(io.RawIOBase):
@@ -146,7 +165,7 @@ class _RangeFile(io.RawIOBase):
         if end <= self._at:
             return 0
         data = self._store.get_range(self._name, self._at, end)
-        buffer[:len(data)] = data
+        buffer[: len(data)] = data
         self._at += len(data)
         return len(data)
 
@@ -155,7 +174,8 @@ class _Opened:
     """The list to read: a local path as it is, a store's object as a ranged-read file."""
 
     def __init__(self, src: str):
-        self._src, self._file = src, None
+        self._src = src
+        self._file: io.BufferedReader | None = None
 
     def __enter__(self):
         if not is_url(self._src):

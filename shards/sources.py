@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 from vitforge.core import StorageError, object_store
 from vitforge.core import is_remote as is_url
@@ -35,10 +35,20 @@ log = logging.getLogger("vitforge.shard")
 MANIFEST_SUFFIXES = (".csv", ".tsv", ".jsonl", ".json", ".parquet")
 
 
-def list_corpus(src: str, *, classes: list[str] | None = None, path_column: str = "path",
-                label_column: str = "label", root: str | None = None, labelled: bool = True,
-                follow_symlinks: bool = False, stat_threads: int = 32, url_list: bool = False,
-                meta_columns: tuple[str, ...] | None = None, image_column: str | None = None) -> Corpus:
+def list_corpus(
+    src: str,
+    *,
+    classes: list[str] | None = None,
+    path_column: str = "path",
+    label_column: str = "label",
+    root: str | None = None,
+    labelled: bool = True,
+    follow_symlinks: bool = False,
+    stat_threads: int = 32,
+    url_list: bool = False,
+    meta_columns: tuple[str, ...] | None = None,
+    image_column: str | None = None,
+) -> Corpus:
     """`root`: for manifests, the folder (or URL prefix) every row must resolve inside; default the
     manifest's own folder, "/" for any local path. For a folder with `follow_symlinks`, the folder
     its followed links must lead into; default the folder itself. `labelled=False`: every image
@@ -49,14 +59,15 @@ def list_corpus(src: str, *, classes: list[str] | None = None, path_column: str 
     in the Hugging Face `datasets` layout with its images in this column. A manifest that cannot be read as a whole
     fails here; a folder tree that holds no images fails when its records run out."""
     if src.startswith("file://"):
-        src = src[len("file://"):]
+        src = src[len("file://") :]
     if image_column:
         if not src.lower().endswith(".parquet"):
             raise SourceError(f"{src}: --image-col reads a Parquet file (the datasets Image layout)")
         return from_hf_parquet(src, classes, image_column, label_column if labelled else None, root, meta_columns)
     if src.rstrip("/").lower().endswith(MANIFEST_SUFFIXES):
-        corpus = from_manifest(src, classes, path_column, label_column if labelled else None, root, url_list,
-                               meta_columns)
+        corpus = from_manifest(
+            src, classes, path_column, label_column if labelled else None, root, url_list, meta_columns
+        )
         return corpus if url_list else Corpus(with_sizes(corpus.records, stat_threads), corpus.classes)
     if url_list:
         raise SourceError(f"{src}: a URL list must be a .csv/.tsv/.jsonl/.parquet manifest")
@@ -103,6 +114,7 @@ def load_class_names(path: str) -> list[str]:
 
 def with_sizes(records: Iterable[SourceRecord], threads: int = 32) -> Iterator[SourceRecord]:
     """Manifests carry no sizes; stat every source (in threads: S3 HEADs are latency-bound)."""
+
     def sized(record: SourceRecord) -> SourceRecord:
         record.size = _size_of(record)
         return record

@@ -40,7 +40,7 @@ class TarShardWriter:
     offset: int = 0  # bytes of the archive so far, the queued ones included
     samples: int = 0
     index_lines: list[str] = field(default_factory=list)
-    _sha: "hashlib._Hash" = field(default_factory=hashlib.sha256)
+    _sha: hashlib._Hash = field(default_factory=hashlib.sha256)
     _pending: list = field(default_factory=list)
     _pending_bytes: int = 0
     _queue: queue.Queue = field(default_factory=lambda: queue.Queue(QUEUED))
@@ -66,7 +66,7 @@ class TarShardWriter:
                 continue
             name = f"{key}.{ext}"
             size = len(data)
-            self._pending += (_header(name, size), data, ZEROS[:-size % BLOCK])
+            self._pending += (_header(name, size), data, ZEROS[: -size % BLOCK])
             self.offset += BLOCK
             components.append(index_entry(name, self.offset, size))
             self.offset += size + (-size % BLOCK)
@@ -143,7 +143,7 @@ def _header(name: str, size: int) -> bytes:
     if len(encoded) > 100:
         raise ValueError(f"member name {name!r} is longer than 100 bytes")
     header = bytearray(HEADER_TEMPLATE)
-    header[0:len(encoded)] = encoded
+    header[0 : len(encoded)] = encoded
     header[124:136] = b"%011o\0" % size
     header[148:156] = b"        "
     header[148:155] = b"%06o\0" % sum(header)
@@ -153,7 +153,7 @@ def _header(name: str, size: int) -> bytes:
 def split_name(name: str) -> tuple[str, str]:
     """(key, extension) as wds2idx splits a member name: at the first dot after the last slash."""
     dot = name.find(".", name.rfind("/") + 1)
-    return (name[:dot], name[dot + 1:]) if dot >= 0 else (name, "")
+    return (name[:dot], name[dot + 1 :]) if dot >= 0 else (name, "")
 
 
 def index_entry(name: str, offset: int, size: int) -> str:
@@ -173,7 +173,7 @@ def index_tar(path: str) -> bytes:
     last = None
     size = os.path.getsize(path)
     try:
-        tar = tarfile.open(path, "r:")
+        tar = tarfile.open(path, "r:")  # noqa: SIM115 - closed by the `with` below; opened here so only its TarError is reworded
     except tarfile.TarError as e:
         raise ValueError(f"{path}: not a tar archive ({e})") from None
     with tar:
@@ -181,8 +181,10 @@ def index_tar(path: str) -> bytes:
             if not member.isfile():
                 continue
             if member.offset_data + member.size > size:
-                raise ValueError(f"{path}: member {member.name} is cut short ({size - member.offset_data} of "
-                                 f"{member.size} bytes): the tar is truncated")
+                raise ValueError(
+                    f"{path}: member {member.name} is cut short ({size - member.offset_data} of "
+                    f"{member.size} bytes): the tar is truncated"
+                )
             key = split_name(member.name)[0]
             if key != last:
                 samples.append([])
@@ -195,8 +197,10 @@ def _members(tar: tarfile.TarFile, path: str):
     try:
         yield from tar
     except tarfile.TarError as e:
-        raise ValueError(f"{path}: damaged tar after member {tar.members[-1].name if tar.members else '(none)'} "
-                         f"({e})") from None
+        raise ValueError(
+            # (TarFile.members: what it has read so far; the stubs leave it out)
+            f"{path}: damaged tar after member {tar.members[-1].name if tar.members else '(none)'} ({e})"  # type: ignore[attr-defined]
+        ) from None
 
 
 def index_path_for(tar_name: str) -> str:

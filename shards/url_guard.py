@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-from typing import Iterable
+from collections.abc import Iterable
 
 from aiohttp.abc import AbstractResolver, ResolveResult
 from aiohttp.resolver import ThreadedResolver
@@ -30,8 +30,11 @@ from vitforge.core import UsageError
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 # IPv6 prefixes that carry an IPv4 address in their last 32 bits (Python's is_global passes them).
-CARRY_IPV4_IN_LOW_BITS = (ipaddress.ip_network("64:ff9b::/96"), ipaddress.ip_network("::/96"),
-                          ipaddress.ip_network("::ffff:0:0:0/96"))  # NAT64, IPv4-compatible, IPv4-translated
+CARRY_IPV4_IN_LOW_BITS = (
+    ipaddress.ip_network("64:ff9b::/96"),
+    ipaddress.ip_network("::/96"),
+    ipaddress.ip_network("::ffff:0:0:0/96"),
+)  # NAT64, IPv4-compatible, IPv4-translated
 LOCAL_NAT64 = ipaddress.ip_network("64:ff9b:1::/48")  # RFC 8215: translates to any IPv4 address, local use
 
 
@@ -46,7 +49,9 @@ def parse_networks(texts: Iterable[str]) -> tuple[Network, ...]:
         try:
             networks.append(ipaddress.ip_network(text, strict=False))
         except ValueError:
-            raise UsageError(f"--allow-network {text!r} is not a network (examples: 127.0.0.0/8, 10.1.2.3, fd00::/8)")
+            raise UsageError(
+                f"--allow-network {text!r} is not a network (examples: 127.0.0.0/8, 10.1.2.3, fd00::/8)"
+            ) from None
     return tuple(networks)
 
 
@@ -61,8 +66,17 @@ def refusal(address: str, allowed: tuple[Network, ...]) -> str | None:
         return reason and f"{ip} carries an IPv4 address: {reason}"
     if ip.is_global and not ip.is_multicast and ip not in LOCAL_NAT64:
         return None
-    kind = ("loopback" if ip.is_loopback else "link-local (cloud metadata lives here)" if ip.is_link_local
-            else "private" if ip.is_private else "multicast" if ip.is_multicast else "not globally routable")
+    kind = (
+        "loopback"
+        if ip.is_loopback
+        else "link-local (cloud metadata lives here)"
+        if ip.is_link_local
+        else "private"
+        if ip.is_private
+        else "multicast"
+        if ip.is_multicast
+        else "not globally routable"
+    )
     return f"{ip} is {kind}; allow it with --allow-network if this list is trusted"
 
 
@@ -89,12 +103,14 @@ def check_literal(host: str, allowed: tuple[Network, ...]) -> None:
 
 def guarded_socket(allowed: tuple[Network, ...]):
     """aiohttp's `socket_factory`: a socket for an allowed address only, made before connecting."""
+
     def create(addr_info) -> socket.socket:
         family, kind, proto, _, address = addr_info
         reason = refusal(address[0], allowed)
         if reason:
             raise ForbiddenAddress(f"connecting to {reason}")
         return socket.socket(family=family, type=kind, proto=proto)
+
     return create
 
 
@@ -107,8 +123,9 @@ class GuardedResolver(AbstractResolver):
         self.allowed = allowed
         self.inner = inner or ThreadedResolver()
 
-    async def resolve(self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
-                      ) -> list[ResolveResult]:
+    async def resolve(
+        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
+    ) -> list[ResolveResult]:
         answers = await self.inner.resolve(host, port, family)
         for answer in answers:
             reason = refusal(answer["host"], self.allowed)

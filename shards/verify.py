@@ -18,7 +18,6 @@ from .parallel import ordered_map
 from .tarfile_writer import SAMPLE_IMAGE_EXTS, format_dali_index, index_entry, split_name
 
 
-
 def verify(dest: str, workers: int = 1) -> tuple[dict, list[str]]:
     """Return (manifest, problems); every problem names the shard (and sample) and the cause."""
     store = open_store(dest)
@@ -49,7 +48,7 @@ def _verify_shard(shard: dict, *, dest: str, num_classes: int | None) -> list[st
         try:
             index, samples, sample_problems = _read_tar(path, num_classes)
         except (tarfile.TarError, OSError) as e:
-            return problems + [f"{name}: not a readable tar: {e}"]
+            return [*problems, f"{name}: not a readable tar: {e}"]
         problems += [f"{name}: {p}" for p in sample_problems]
         if samples != shard["samples"]:
             problems.append(f"{name}: {samples} samples, manifest says {shard['samples']}")
@@ -99,8 +98,9 @@ def _read_tar(path: str, num_classes: int | None) -> tuple[bytes, int, list[str]
                 json.loads(by_ext["json"])
             except ValueError:
                 problems.append(f"sample {key}: .json member is not valid JSON")
-    index = format_dali_index([" ".join(index_entry(name, offset, size) for _, offset, size, name, _ in members)
-                               for _, members in groups])
+    index = format_dali_index(
+        [" ".join(index_entry(name, offset, size) for _, offset, size, name, _ in members) for _, members in groups]
+    )
     return index, len(groups), problems
 
 
@@ -116,8 +116,9 @@ def info(dest: str) -> str:
         f" ({_human(totals['bytes'] / max(totals['samples'], 1))} per sample)",
         f"inputs       {totals['inputs']} = {totals['samples']} packed + {totals['rejected']} rejected"
         f" + {totals['duplicates']} duplicates",
-        "classes      none (unlabelled)" if manifest["num_classes"] is None else
-        f"classes      {manifest['num_classes']}; samples per class min {min(counts, default=0)},"
+        "classes      none (unlabelled)"
+        if manifest["num_classes"] is None
+        else f"classes      {manifest['num_classes']}; samples per class min {min(counts, default=0)},"
         f" median {statistics.median(counts) if counts else 0:g}, max {max(counts, default=0)}",
         f"shard sizes  min {_human(sizes[0] if sizes else 0)},"
         f" median {_human(statistics.median(sizes) if sizes else 0)},"
@@ -126,10 +127,12 @@ def info(dest: str) -> str:
     if manifest.get("version", 1) > 1:
         lines.append(f"versions     {manifest['version']} (each one's manifest: dataset.vN.json)")
         lines += [f"  v{h['version']}: {added(h)}: {h['command']}" for h in manifest["history"]]
-    lines += ["shard size histogram:"] + _histogram(sizes)
-    lines += ["image size histogram (samples per band):"] + _bands(manifest["histograms"]["image_bytes"], _human)
-    lines += ["shorter side histogram (samples per band):"] + _bands(manifest["histograms"]["short_side"],
-                                                                     lambda v: f"{v:.0f} px")
+    lines += ["shard size histogram:", *_histogram(sizes)]
+    lines += ["image size histogram (samples per band):", *_bands(manifest["histograms"]["image_bytes"], _human)]
+    lines += [
+        "shorter side histogram (samples per band):",
+        *_bands(manifest["histograms"]["short_side"], lambda v: f"{v:.0f} px"),
+    ]
     if manifest["rejects_by_reason"]:
         lines.append("rejected by reason: " + ", ".join(f"{k} {v}" for k, v in manifest["rejects_by_reason"].items()))
     if manifest["normalised"]:
@@ -146,8 +149,11 @@ def _histogram(values: list[int], bands: int = 8) -> list[str]:
     for v in values:
         counts[min(int((v - low) / width), bands - 1)] += 1
     peak = max(counts)
-    return [f"  {_human(low + i * width):>10} - {_human(low + (i + 1) * width):>10} {c:6d} {'#' * round(30 * c / peak)}"
-            for i, c in enumerate(counts) if c]
+    return [
+        f"  {_human(low + i * width):>10} - {_human(low + (i + 1) * width):>10} {c:6d} {'#' * round(30 * c / peak)}"
+        for i, c in enumerate(counts)
+        if c
+    ]
 
 
 def _bands(counts: dict[str, int], show) -> list[str]:
@@ -155,12 +161,15 @@ def _bands(counts: dict[str, int], show) -> list[str]:
     if not counts or set(counts) == {"0"}:
         return ["  (not recorded: shards packed with --no-validate)"] if counts else ["  (no samples)"]
     peak = max(counts.values())
-    return [f"  {show(int(k)):>10} - {show(2 * int(k)):>10} {v:6d} {'#' * round(30 * v / peak)}"
-            for k, v in sorted(counts.items(), key=lambda kv: int(kv[0]))]
+    return [
+        f"  {show(int(k)):>10} - {show(2 * int(k)):>10} {v:6d} {'#' * round(30 * v / peak)}"
+        for k, v in sorted(counts.items(), key=lambda kv: int(kv[0]))
+    ]
 
 
 def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
+    return f"{n:.2f} TiB"

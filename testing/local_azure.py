@@ -53,8 +53,7 @@ def azurite_binary() -> str:
 
 
 def dev_connection_string(endpoint: str) -> str:
-    return (f"DefaultEndpointsProtocol=http;AccountName={DEV_ACCOUNT};AccountKey={DEV_KEY};"
-            f"BlobEndpoint={endpoint};")
+    return f"DefaultEndpointsProtocol=http;AccountName={DEV_ACCOUNT};AccountKey={DEV_KEY};BlobEndpoint={endpoint};"
 
 
 def start_local_azure(data_dir: str, timeout: float = 30, port: int | None = None) -> LocalAzure:
@@ -62,13 +61,24 @@ def start_local_azure(data_dir: str, timeout: float = 30, port: int | None = Non
     keeping its blobs in `data_dir`."""
     os.makedirs(data_dir, exist_ok=True)
     port = port or free_port()
-    cmd = [azurite_binary(), "--blobHost", "127.0.0.1", "--blobPort", str(port), "--location", data_dir,
-           "--skipApiVersionCheck", "--disableTelemetry", "--silent"]
+    cmd = [
+        azurite_binary(),
+        "--blobHost",
+        "127.0.0.1",
+        "--blobPort",
+        str(port),
+        "--location",
+        data_dir,
+        "--skipApiVersionCheck",
+        "--disableTelemetry",
+        "--silent",
+    ]
     log_path = os.path.join(data_dir, "azurite.log")
     process = start_process(cmd, log_path)
     endpoint = f"http://127.0.0.1:{port}/{DEV_ACCOUNT}"
-    server = LocalAzure(endpoint, {"AZURE_STORAGE_CONNECTION_STRING": dev_connection_string(endpoint)}, process,
-                        log_path)
+    server = LocalAzure(
+        endpoint, {"AZURE_STORAGE_CONNECTION_STRING": dev_connection_string(endpoint)}, process, log_path
+    )
 
     def listens() -> bool:
         socket.create_connection(("127.0.0.1", port), timeout=1).close()

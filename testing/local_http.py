@@ -20,6 +20,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from typing import TextIO
 
 from vitforge.core import free_port
 
@@ -80,7 +81,7 @@ def start_local_http(root: str, log_dir: str) -> LocalHTTP:
 
 class RangeHandler(SimpleHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
-    log_file = None  # set by main: the JSON-lines request log
+    log_file: TextIO | None = None  # set by main: the JSON-lines request log
     log_lock = threading.Lock()
     file_stat: os.stat_result | None = None  # of the file this request answers with, for its ETag
 
@@ -89,8 +90,14 @@ class RangeHandler(SimpleHTTPRequestHandler):
 
     def log_request(self, code="-", size="-") -> None:
         status = code.value if isinstance(code, HTTPStatus) else code
-        line = json.dumps({"method": self.command, "path": self.path, "range": self.headers.get("Range"),
-                           "status": int(status) if str(status).isdigit() else status})
+        line = json.dumps(
+            {
+                "method": self.command,
+                "path": self.path,
+                "range": self.headers.get("Range"),
+                "status": int(status) if str(status).isdigit() else status,
+            }
+        )
         with self.log_lock:
             self.log_file.write(line + "\n")
             self.log_file.flush()
@@ -116,7 +123,7 @@ class RangeHandler(SimpleHTTPRequestHandler):
             self.send_header("Content-Length", "0")
             self.end_headers()
             return None
-        f = open(path, "rb")
+        f = open(path, "rb")  # noqa: SIM115 - the server's copyfile() sends the window, then closes it
         self.send_response(HTTPStatus.PARTIAL_CONTENT)
         self.send_header("Content-Type", self.guess_type(path))
         self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
@@ -166,7 +173,7 @@ class QuietHTTPServer(ThreadingHTTPServer):
 
 def main(argv: list[str]) -> None:
     root, port, log = argv
-    RangeHandler.log_file = open(log, "a")
+    RangeHandler.log_file = open(log, "a")  # noqa: SIM115 - written until the server process ends
 
     def handler(*args, **kwargs):
         return RangeHandler(*args, directory=root, **kwargs)

@@ -56,7 +56,7 @@ class ImageServer:
     def paths(self, prefix: str = "") -> list[str]:
         return [entry["path"] for entry in list(self.log) if entry["path"].startswith(prefix)]
 
-    def start(self) -> "ImageServer":
+    def start(self) -> ImageServer:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="image-server", daemon=True)
         self._thread.start()
@@ -76,7 +76,7 @@ class ImageServer:
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", self.port)
         await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        self.port = self._runner.addresses[0][1]
 
     def _first_time(self, path: str) -> bool:
         fresh = path not in self._seen
@@ -121,8 +121,11 @@ class ImageServer:
             await asyncio.sleep(self.slow_s)
         if route in ("trickle", "cut", "big-chunked"):
             return await self._stream(request, route, image)
-        headers = {"as-html": {"Content-Type": "text/html"}, "noai": {**jpeg, "X-Robots-Tag": "noai"},
-                   "otherbot": {**jpeg, "X-Robots-Tag": "otherbot: noai"}}.get(route, jpeg)
+        headers = {
+            "as-html": {"Content-Type": "text/html"},
+            "noai": {**jpeg, "X-Robots-Tag": "noai"},
+            "otherbot": {**jpeg, "X-Robots-Tag": "otherbot: noai"},
+        }.get(route, jpeg)
         body = image + bytes(1 << 20) if route == "big" else image
         return web.Response(body=body, headers=headers)
 
@@ -131,7 +134,7 @@ class ImageServer:
         await response.prepare(request)
         comments = ("# " + "x" * 1021 + "\n").encode() * 100
         for start in range(0, len(comments), 10 * 1024):
-            await response.write(comments[start:start + 10 * 1024])
+            await response.write(comments[start : start + 10 * 1024])
             await asyncio.sleep(0.02)
         await response.write(ROBOTS_TXT.encode())
         await response.write_eof()
@@ -159,7 +162,7 @@ class ImageServer:
             return response
         piece = -(-len(image) // 20)
         for start in range(0, len(image), piece):
-            await response.write(image[start:start + piece])
+            await response.write(image[start : start + piece])
             await asyncio.sleep(self.trickle_s / 20)
         await response.write_eof()
         return response

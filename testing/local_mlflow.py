@@ -53,9 +53,20 @@ class LocalMLflow:
 
     def start(self, timeout: float = 60) -> None:
         """Start the server (again, after `stop`: the same port and runs); return once GET /health answers."""
-        cmd = [mlflow_server_binary(), "server", "--backend-store-uri", f"sqlite:///{self.data_dir}/mlflow.db",
-               "--artifacts-destination", os.path.join(self.data_dir, "artifacts"), "--host", "127.0.0.1",
-               "--port", str(self.port), "--workers", "1"]
+        cmd = [
+            mlflow_server_binary(),
+            "server",
+            "--backend-store-uri",
+            f"sqlite:///{self.data_dir}/mlflow.db",
+            "--artifacts-destination",
+            os.path.join(self.data_dir, "artifacts"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--workers",
+            "1",
+        ]
         self.process = start_process(cmd, self.log_path, env={**os.environ, **QUIET})
 
         def healthy() -> bool:
@@ -85,4 +96,3 @@ def start_local_mlflow(data_dir: str, timeout: float = 60) -> LocalMLflow:
     server = LocalMLflow(data_dir, free_port())
     server.start(timeout)
     return server
-

@@ -27,8 +27,13 @@ class LocalS3:
     def client(self):
         import boto3
 
-        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=self.env["AWS_ACCESS_KEY_ID"],
-                            aws_secret_access_key=self.env["AWS_SECRET_ACCESS_KEY"], region_name="us-east-1")
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id=self.env["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=self.env["AWS_SECRET_ACCESS_KEY"],
+            region_name="us-east-1",
+        )
 
     def stop(self) -> None:
         stop_process(self.process)
@@ -64,8 +69,9 @@ START_ATTEMPTS = 3
 PORT_LOST = ("is not available on", "address already in use")
 
 
-def start_local_s3(data_dir: str, timeout: float = 60, host: str = "127.0.0.1",
-                   audit_log_config: str | None = None) -> LocalS3:
+def start_local_s3(
+    data_dir: str, timeout: float = 60, host: str = "127.0.0.1", audit_log_config: str | None = None
+) -> LocalS3:
     """Start `weed mini` bound to `host` only. `audit_log_config`: a SeaweedFS audit log config (JSON
     naming a fluent-forward receiver) that then gets a record per S3 request, with the client's address."""
     weed = shutil.which("weed", path=os.path.dirname(sys.executable)) or shutil.which("weed")
@@ -85,19 +91,37 @@ def start_local_s3(data_dir: str, timeout: float = 60, host: str = "127.0.0.1",
     raise AssertionError("unreachable")
 
 
-def _start(weed: str, data_dir: str, log_path: str, timeout: float, host: str,
-           audit_log_config: str | None) -> LocalS3:
+def _start(weed: str, data_dir: str, log_path: str, timeout: float, host: str, audit_log_config: str | None) -> LocalS3:
     ports = {name: _free_base_port(host) for name in ("s3", "master", "filer", "volume")}
-    cmd = [weed, "mini", f"-dir={data_dir}", f"-ip={host}", f"-ip.bind={host}", "-master.telemetry=false",
-           "-admin.ui=false", "-webdav=false", f"-volume.max={MAX_VOLUMES}", f"-s3.port={ports['s3']}",
-           "-s3.port.iceberg=0", "-s3.port.lance=0", f"-master.port={ports['master']}", f"-filer.port={ports['filer']}",
-           f"-volume.port={ports['volume']}", f"-admin.port={_free_base_port(host)}"]
+    cmd = [
+        weed,
+        "mini",
+        f"-dir={data_dir}",
+        f"-ip={host}",
+        f"-ip.bind={host}",
+        "-master.telemetry=false",
+        "-admin.ui=false",
+        "-webdav=false",
+        f"-volume.max={MAX_VOLUMES}",
+        f"-s3.port={ports['s3']}",
+        "-s3.port.iceberg=0",
+        "-s3.port.lance=0",
+        f"-master.port={ports['master']}",
+        f"-filer.port={ports['filer']}",
+        f"-volume.port={ports['volume']}",
+        f"-admin.port={_free_base_port(host)}",
+    ]
     if audit_log_config:
         cmd.append(f"-s3.auditLogConfig={audit_log_config}")
     process = start_process(cmd, log_path)
     endpoint = f"http://{host}:{ports['s3']}"
-    env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "local-key-id", "AWS_SECRET_ACCESS_KEY": "local-secret",
-           "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
+    env = {
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": "local-key-id",
+        "AWS_SECRET_ACCESS_KEY": "local-secret",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
     server = LocalS3(endpoint, env, process, log_path)
     client = server.client()
 

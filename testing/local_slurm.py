@@ -16,7 +16,6 @@ from pathlib import Path
 
 from vitforge.core import free_port
 
-
 # What every private SLURM here shares (this one and the tests' multi-host cluster): root daemons
 # without authentication, no accounting, quick scheduling.
 LOCAL_SLURM_SETTINGS = """SlurmUser=root
@@ -62,7 +61,7 @@ def local_slurm_missing() -> str | None:
     return None
 
 
-def start_local_slurm(folder: Path, first_job_id: int = 1) -> dict:
+def start_local_slurm(folder: Path | str, first_job_id: int = 1) -> dict:
     """Start slurmctld and slurmd; return the environment ({"SLURM_CONF": ...}) that reaches them.
     `first_job_id`: where job ids start. A job's rendezvous port derives from its id, so private
     SLURMs side by side on one machine (one per test worker) number their jobs apart."""
@@ -72,7 +71,7 @@ def start_local_slurm(folder: Path, first_job_id: int = 1) -> dict:
     folder = Path(folder)
     host = socket.gethostname().split(".")[0]
     _ensure_host_resolves(host)
-    memory_mib = int(open("/proc/meminfo").read().split()[1]) // 1024 - 1024
+    memory_mib = int(Path("/proc/meminfo").read_text().split()[1]) // 1024 - 1024
     (folder / "log").mkdir(parents=True, exist_ok=True)
     conf = folder / "slurm.conf"
     conf.write_text(f"""ClusterName=ci

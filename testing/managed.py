@@ -9,7 +9,7 @@ import os
 import signal
 import subprocess
 import time
-from typing import Callable
+from collections.abc import Callable
 
 
 def start_process(cmd: list[str], log_path: str, env: dict | None = None) -> subprocess.Popen:
@@ -38,8 +38,9 @@ def log_tail(log_path: str, chars: int = 2000) -> str:
         return f.read()[-chars:]
 
 
-def wait_until_ready(process: subprocess.Popen, ready: Callable[[], bool], what: str, log_path: str,
-                     timeout: float, poll_s: float = 0.1) -> None:
+def wait_until_ready(
+    process: subprocess.Popen, ready: Callable[[], bool], what: str, log_path: str, timeout: float, poll_s: float = 0.1
+) -> None:
     """Poll `ready()` (False or an OSError: not yet) until it is True. A RuntimeError naming `what`
     and the log's tail when the process exits first or `timeout` passes (the process stopped then)."""
     deadline = time.monotonic() + timeout

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -14,7 +15,7 @@ import torch.distributed as dist
 from vitforge.core import is_remote
 from vitforge.pipeline import LoaderSpec, build_loader, build_mixture_loader
 
-from .checkpoint import Checkpointer
+from .checkpoint import Checkpointer, Restored
 from .config import Config, ConfigError
 from .distributed import agree_keeping, all_ok, broadcast_state
 from .ema import EMA
@@ -38,17 +39,34 @@ def build_data_loader(cfg: Config, source, train: bool, env, device):
     """A rank's loader of `source`: a dataset, or (training) a mixture's list of sources."""
     mixture = isinstance(source, list)
     aug = cfg.augment
-    crops = ({"scale": aug.crop_scale, "ratio": aug.crop_ratio, "flip": aug.flip, "randaugment": aug.randaugment}
-             if train else {})
-    spec = LoaderSpec.of(cfg.data, source[0].url if mixture else source, batch_size=cfg.train.micro_batch, image_size=cfg.model.image_size,
-                         train=train, backend="synthetic" if source == "synthetic" else cfg.data.backend,
-                         subset=cfg.data.subset if train else None,
-                         dtype="bfloat16" if cfg.train.precision == "bf16" else "float32", **crops)
+    crops = (
+        {"scale": aug.crop_scale, "ratio": aug.crop_ratio, "flip": aug.flip, "randaugment": aug.randaugment}
+        if train
+        else {}
+    )
+    spec = LoaderSpec.of(
+        cfg.data,
+        source[0].url if mixture else source,
+        batch_size=cfg.train.micro_batch,
+        image_size=cfg.model.image_size,
+        train=train,
+        backend="synthetic" if source == "synthetic" else cfg.data.backend,
+        subset=cfg.data.subset if train else None,
+        dtype="bfloat16" if cfg.train.precision == "bf16" else "float32",
+        **crops,
+    )
     accumulation = cfg.accumulation(env.world_size) if train else 1
     if mixture:
         return build_mixture_loader(spec, source, env.rank, env.world_size, device, accumulation, env.local_world_size)
-    return build_loader(spec, env.rank, env.world_size, device, synthetic_classes=cfg.model.num_classes or 1000,
-                        accumulation=accumulation, ranks_per_node=env.local_world_size)
+    return build_loader(
+        spec,
+        env.rank,
+        env.world_size,
+        device,
+        synthetic_classes=cfg.model.num_classes or 1000,
+        accumulation=accumulation,
+        ranks_per_node=env.local_world_size,
+    )
 
 
 def metrics_folder(cfg: Config) -> str:
@@ -65,12 +83,8 @@ def build_trainer(cfg: Config, env, device, stop: StopRequest) -> tuple[Trainer,
     Trainer, its checkpointer (the run's lease claimed) and, on rank 0, the tracking feed."""
     check_trackers(cfg.tracking, warm=env.rank == 0)
     RandomState().restart(cfg.train.seed)
-    train_loader = build_data_loader(cfg, cfg.data.train, True, env, device)
+    train_loader, val_loader, probes = _data_loaders(cfg, env, device)
     index = train_loader.index
-    val_loader = build_data_loader(cfg, cfg.data.val, False, env, device) if cfg.data.val else None
-    if val_loader is not None and hasattr(index, "check_eval"):  # a mixture: its label space against data.val's
-        index.check_eval(getattr(val_loader.index, "classes", None), cfg.data.val)
-    probes = build_probes(cfg.eval, lambda source: build_data_loader(cfg, source, False, env, device))
     num_classes = cfg.model.num_classes or (index.num_classes if index else None)
     objective = get_objective(cfg.train.objective)
     check_labelled(objective, train_loader, val_loader)
@@ -80,27 +94,129 @@ def build_trainer(cfg: Config, env, device, stop: StopRequest) -> tuple[Trainer,
         raise ConfigError("train.ema_decay needs train.zero_stage <= 2 (ZeRO-3 partitions the weights)")
     ema = EMA(cfg.train.ema_decay) if cfg.train.ema_decay is not None else None
     metrics = MetricsLog(metrics_folder(cfg), enabled=env.rank == 0)
+    checkpointer = _checkpointer(cfg, env, train_loader, ema, metrics)
+    config = cfg.model_dump(mode="json")
+    engine, restored, history = _restore(cfg, env, device, checkpointer, config, num_classes)
+    if ema is not None:  # unless restored: from the weights training starts from (restored, fine-tuned from, fresh)
+        ema.start(engine.module)
+    manifest_extra = {
+        "config": config,
+        "num_classes": num_classes,
+        "train_samples": train_loader.num_samples,
+        "classes": getattr(index, "classes", None),
+        "objective": cfg.train.objective,
+        **({CHANGES: history} if history else {}),
+    }
+    trainer = Trainer(
+        cfg,
+        env,
+        device,
+        engine,
+        train_loader,
+        val_loader,
+        objective,
+        checkpointer,
+        metrics,
+        ema,
+        manifest_extra,
+        stop,
+        probes,
+    )
+    _start_at(trainer, metrics, checkpointer, restored, env.rank)
+    # Each rank reads its shards' index files now, not at its first batch: a bad one ends every
+    # rank with its error instead of leaving the others in the next collective.
+    all_ok(
+        lambda: [
+            loader.prepare() for loader in (train_loader, val_loader, *probe_loaders(probes)) if loader is not None
+        ]
+    )
+    feed = (
+        start_tracking(cfg, checkpointer.run, metrics.path, restored.step if restored else None)
+        if env.rank == 0
+        else None
+    )
+    return trainer, checkpointer, feed
+
+
+def _start_at(
+    trainer: Trainer, metrics: MetricsLog, checkpointer: Checkpointer, restored: Restored | None, rank: int
+) -> None:
+    """The trainer and its metrics log at the step training starts from: a restored checkpoint's
+    (its metrics kept up to there) or 0."""
+    metrics.open()
+    if restored is not None:
+        trainer.state.step = restored.step
+        metrics.resume_at(restored.step, saved_metrics(checkpointer) if rank == 0 else None)
+        log.info("resumed %s at step %d", checkpointer.run.object_url(restored.tag), restored.step)
+    else:
+        metrics.resume_at(0, None)
+
+
+def _data_loaders(cfg: Config, env, device) -> tuple[Any, Any, list[ProbeSet]]:
+    """The rank's training loader, its held-out loader (or None) and the probes' loaders; a
+    mixture's label space is checked against data.val's classes."""
+    train_loader = build_data_loader(cfg, cfg.data.train, True, env, device)
+    index = train_loader.index
+    val_loader = build_data_loader(cfg, cfg.data.val, False, env, device) if cfg.data.val else None
+    if val_loader is not None and hasattr(index, "check_eval"):  # a mixture: its label space against data.val's
+        index.check_eval(getattr(val_loader.index, "classes", None), cfg.data.val)
+    probes = build_probes(cfg.eval, lambda source: build_data_loader(cfg, source, False, env, device))
+    return train_loader, val_loader, probes
+
+
+def _checkpointer(cfg: Config, env, train_loader, ema: EMA | None, metrics: MetricsLog) -> Checkpointer:
+    """The run's checkpointer, with the parts a checkpoint holds beside DeepSpeed's files; it claims
+    the run's lease unless the run saves no checkpoints."""
     # What a checkpoint holds beside DeepSpeed's files: one entry per part.
-    parts = StateParts(per_rank={"loader": train_loader, "rng": RandomState()},
-                       shared={"ema": ema} if ema is not None else {})
-    checkpointer = Checkpointer(cfg.checkpoint.run_url, cfg.checkpoint.staging, cfg.checkpoint.keep_last,
-                                cfg.checkpoint.keep_every, cfg.checkpoint.lease_minutes,
-                                cfg.checkpoint.upload_timeout_minutes, metrics.path if env.rank == 0 else None, parts)
+    parts = StateParts(
+        per_rank={"loader": train_loader, "rng": RandomState()}, shared={"ema": ema} if ema is not None else {}
+    )
+    checkpointer = Checkpointer(
+        cfg.checkpoint.run_url,
+        cfg.checkpoint.staging,
+        cfg.checkpoint.keep_last,
+        cfg.checkpoint.keep_every,
+        cfg.checkpoint.lease_minutes,
+        cfg.checkpoint.upload_timeout_minutes,
+        metrics.path if env.rank == 0 else None,
+        parts,
+    )
     if cfg.checkpoint.save:
         checkpointer.claim()
+    return checkpointer
+
+
+def _restore(
+    cfg: Config, env, device, checkpointer: Checkpointer, config: dict, num_classes: int | None
+) -> tuple[Any, Restored | None, list]:
+    """The engine, restored from the run's checkpoint (which must be of this run, its changed
+    settings logged) or initialised (checkpoint.init_from, or fresh): (engine, what was restored,
+    the history of changed settings for the manifests)."""
 
     def make_model() -> torch.nn.Module:
-        return build_model(cfg.model.name, num_classes, cfg.model.image_size, cfg.model.drop_path, cfg.model.dropout,
-                           cfg.model.pre_logits, cfg.train.objective)
+        return build_model(
+            cfg.model.name,
+            num_classes,
+            cfg.model.image_size,
+            cfg.model.drop_path,
+            cfg.model.dropout,
+            cfg.model.pre_logits,
+            cfg.train.objective,
+        )
 
     def engine_for(universal: bool):
         config = cfg
         if universal:  # DeepSpeed must know at construction that it will load a universal checkpoint
-            config = cfg.model_copy(update={"deepspeed": {**cfg.deepspeed, "checkpoint": {
-                **cfg.deepspeed.get("checkpoint", {}), "load_universal": True}}})
+            config = cfg.model_copy(
+                update={
+                    "deepspeed": {
+                        **cfg.deepspeed,
+                        "checkpoint": {**cfg.deepspeed.get("checkpoint", {}), "load_universal": True},
+                    }
+                }
+            )
         return build_engine(config, make_model, env.world_size, device)
 
-    config = cfg.model_dump(mode="json")
     changes: dict[str, list] = {}
 
     def same_run(manifest: dict, url: str) -> None:
@@ -110,34 +226,16 @@ def build_trainer(cfg: Config, env, device, stop: StopRequest) -> tuple[Trainer,
     engine, restored = checkpointer.restore(engine_for, cfg.checkpoint.resume, same_run)
     history = list(restored.manifest.get(CHANGES, [])) if restored is not None else []
     if restored is not None and changes:
-        log.info("resuming %s with changed settings: %s", checkpointer.run.object_url(restored.tag),
-                 "; ".join(f"{key} {saved!r} -> {now!r}" for key, (saved, now) in changes.items()))
+        log.info(
+            "resuming %s with changed settings: %s",
+            checkpointer.run.object_url(restored.tag),
+            "; ".join(f"{key} {saved!r} -> {now!r}" for key, (saved, now) in changes.items()),
+        )
         history.append({"step": restored.step, "settings": changes})
     if restored is None and cfg.checkpoint.init_from:
-        changes = init_from(engine, cfg.checkpoint.init_from, device, make_model)
-        log.info("initialised from %s (%s)", cfg.checkpoint.init_from, "; ".join(changes) or "as is")
-    if ema is not None:  # unless restored: from the weights training starts from (restored, fine-tuned from, fresh)
-        ema.start(engine.module)
-    trainer = Trainer(cfg, env, device, engine, train_loader, val_loader, objective,
-                      checkpointer, metrics, ema, {"config": config, "num_classes": num_classes,
-                                                   "train_samples": train_loader.num_samples,
-                                                   "classes": getattr(index, "classes", None),
-                                                   "objective": cfg.train.objective,
-                                                   **({CHANGES: history} if history else {})}, stop, probes)
-    metrics.open()
-    if restored is not None:
-        trainer.state.step = restored.step
-        metrics.resume_at(restored.step, saved_metrics(checkpointer) if env.rank == 0 else None)
-        log.info("resumed %s at step %d", checkpointer.run.object_url(restored.tag), restored.step)
-    else:
-        metrics.resume_at(0, None)
-    # Each rank reads its shards' index files now, not at its first batch: a bad one ends every
-    # rank with its error instead of leaving the others in the next collective.
-    all_ok(lambda: [loader.prepare() for loader in (train_loader, val_loader, *probe_loaders(probes))
-                    if loader is not None])
-    feed = start_tracking(cfg, checkpointer.run, metrics.path, restored.step if restored else None) \
-        if env.rank == 0 else None
-    return trainer, checkpointer, feed
+        replaced = init_from(engine, cfg.checkpoint.init_from, device, make_model)
+        log.info("initialised from %s (%s)", cfg.checkpoint.init_from, "; ".join(replaced) or "as is")
+    return engine, restored, history
 
 
 def probe_loaders(probes: list[ProbeSet]) -> list:
@@ -148,12 +246,14 @@ def check_labelled(objective: Objective, *loaders) -> None:
     """An objective that learns from class labels refuses data sharded without them."""
     if not objective.labelled:
         return
-    unlabelled = " or ".join(o.name for o in OBJECTIVES.values() if not o.labelled)
+    unlabelled = " or ".join(o.name for o in map(get_objective, OBJECTIVES) if not o.labelled)
     # a mixture's sources one by one, so the error names the one without labels
-    for loader in [part for loader in loaders if loader is not None for part in getattr(loader, "loaders", [loader])]:
+    for loader in [part for each in loaders if each is not None for part in getattr(each, "loaders", [each])]:
         if loader.index is not None and not loader.index.labelled:
-            raise ConfigError(f"{loader.spec.dataset} has no class labels (sharded with --no-labels): {objective.name} "
-                              f"needs them; pre-train on it with --set train.objective={unlabelled}")
+            raise ConfigError(
+                f"{loader.spec.dataset} has no class labels (sharded with --no-labels): {objective.name} "
+                f"needs them; pre-train on it with --set train.objective={unlabelled}"
+            )
 
 
 def saved_metrics(checkpointer: Checkpointer) -> bytes | None:
@@ -233,6 +333,6 @@ def set_fp32_master(param: torch.nn.Parameter, value: torch.Tensor, zero3: bool)
     size = param.ds_tensor.numel()
     start = dist.get_rank(group=param.ds_process_group) * size
     mine = torch.zeros(size, dtype=torch.float32, device=value.device)
-    piece = value.flatten()[start:start + size]
-    mine[:piece.numel()] = piece
+    piece = value.flatten()[start : start + size]
+    mine[: piece.numel()] = piece
     safe_set_local_fp32_param(param, mine)

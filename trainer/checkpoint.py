@@ -14,7 +14,7 @@ its ranks need and checks their sha256 BEFORE anything unpickles them; if any ra
 problem, all ranks fall back to the previous checkpoint together, saying why. A checkpoint saved
 at another world size is converted once for the job (rank 0, DeepSpeed's ds_to_universal, in its
 node-local staging) and published beside it in the store, where every later resume at any world
-size finds it; each node then fetches only the universal files its ranks read (_fetch_universal).
+size finds it; each node then fetches only the universal files its ranks read (universal.py).
 """
 
 from __future__ import annotations
@@ -25,73 +25,26 @@ import os
 import re
 import shutil
 import socket
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from vitforge.core import CheckpointError, StorageError, __version__
 
+from .checkpoint_files import SHARED_STATE, needed_files, rank_state, versions
 from .distributed import agree, all_ok, together
 from .lease import Lease
-from .run_store import LATEST, MANIFEST, MANIFEST_VERSION, METRICS, RECEIPTS, UNIVERSAL, RunStore, tag_for
+from .run_store import LATEST, MANIFEST, MANIFEST_VERSION, METRICS, RECEIPTS, RunStore, tag_for
 from .state import RankBound, StateParts
+from .universal import fetch_universal
 from .uploader import Uploader
 
 log = logging.getLogger("vitforge.checkpoint")
 CLAIM_SLICE_S = 2.0  # the longest one collective waits while rank 0 watches another job's lease
-RANK_FILE = re.compile(r"(?:zero_pp_rank_|^rank)(\d+)_")
-SHARED_STATE = "shared_state.pt"  # the shared parts, written by rank 0
-
-
-def rank_state(rank: int) -> str:
-    """The file of a rank's own parts."""
-    return f"rank{rank}_state.pt"
-
-
-def universal_reads(optimizer) -> set[str] | None:
-    """The parameters whose universal-checkpoint files (zero/NAME/*.pt) this rank's DeepSpeed
-    optimizer opens: under ZeRO-1/2 (and bf16 without ZeRO) only those with a fragment in the rank's
-    partition (`_hp_mapping`), about 1/R of them; None, meaning all, under ZeRO-3 (each rank reads
-    every full tensor and keeps its slice) or any optimizer that does not say. Needs the engine built."""
-    groups = getattr(optimizer, "bit16_groups", None) or getattr(optimizer, "bf16_groups", None)
-    names = getattr(optimizer, "param_names", None)
-    if groups is None or names is None:
-        return None
-    return {names[p] for group in groups for p in group if getattr(p, "_hp_mapping", None) is not None}
-
-
-def universal_files(files: dict, params: set[str] | None) -> list[str]:
-    """Of a published universal checkpoint's files (universal/...), those that ranks reading the
-    parameters `params` (None: all) open: the model-states file DeepSpeed loads (rank 0's under
-    ZeRO-3; the other ranks' copies are never read), zero/optimizer_state.pt, and zero/NAME/* of each
-    parameter read."""
-    keep = []
-    for name in sorted(files):
-        parts = name.split("/")
-        if len(parts) == 2:
-            match = RANK_FILE.search(parts[1])
-            if match is None or int(match.group(1)) == 0:
-                keep.append(name)
-        elif len(parts) == 3 or params is None or parts[2] in params:
-            keep.append(name)
-    return keep
-
-
-def needed_files(names: list[str], ranks: set[int], everything: bool) -> list[str]:
-    """The files the given ranks read to resume: shared ones plus their own (all for a conversion)."""
-    if everything:
-        return [n for n in names if not n.startswith(f"{RECEIPTS}/")]
-    keep = []
-    for name in names:
-        match = RANK_FILE.search(os.path.basename(name))
-        if match is None or int(match.group(1)) in ranks:
-            keep.append(name)
-    return keep
 
 
 @dataclass
@@ -105,9 +58,17 @@ class Restored:
 
 
 class Checkpointer:
-    def __init__(self, run_url: str, staging: str | None, keep_last: int | None, keep_every: int | None,
-                 lease_minutes: float, upload_timeout_minutes: float, metrics_path: str | None,
-                 parts: StateParts | None = None):
+    def __init__(
+        self,
+        run_url: str,
+        staging: str | None,
+        keep_last: int | None,
+        keep_every: int | None,
+        lease_minutes: float,
+        upload_timeout_minutes: float,
+        metrics_path: str | None,
+        parts: StateParts | None = None,
+    ):
         self.run = RunStore(run_url)
         self.parts = parts or StateParts()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -121,8 +82,11 @@ class Checkpointer:
         self.upload_timeout = upload_timeout_minutes * 60
         # The metrics travel with the checkpoints, unless they are written in the run folder already.
         in_run = self.run.store.local_path(METRICS)
-        same = in_run is not None and metrics_path is not None and \
-            os.path.realpath(in_run) == os.path.realpath(metrics_path)
+        same = (
+            in_run is not None
+            and metrics_path is not None
+            and os.path.realpath(in_run) == os.path.realpath(metrics_path)
+        )
         self.metrics_path = None if same else metrics_path
         self.uploader = Uploader()
         self.lease = Lease(self.run, lease_minutes) if self.rank == 0 else None
@@ -150,12 +114,18 @@ class Checkpointer:
                 self.lease.checkpoints = dict.fromkeys(with_manifest)
             unpublished = [tag for tag in with_manifest if tag not in self.lease.checkpoints]
             if unpublished:
-                log.warning("%s: %s have a manifest but were never published by the run's holder (a stale "
-                            "copy's, written after the run was taken over): never resumed from",
-                            self.run.url, ", ".join(unpublished))
+                log.warning(
+                    "%s: %s have a manifest but were never published by the run's holder (a stale "
+                    "copy's, written after the run was taken over): never resumed from",
+                    self.run.url,
+                    ", ".join(unpublished),
+                )
             if incomplete or aborted:
-                log.info("removed what earlier attempts left unfinished: %s%s", ", ".join(incomplete) or "",
-                         f" ({aborted} unfinished uploads aborted)" if aborted else "")
+                log.info(
+                    "removed what earlier attempts left unfinished: %s%s",
+                    ", ".join(incomplete) or "",
+                    f" ({aborted} unfinished uploads aborted)" if aborted else "",
+                )
             self.lease.start_heartbeat()
 
         agree(take)
@@ -185,11 +155,15 @@ class Checkpointer:
         write_start = time.perf_counter()
         engine.save_checkpoint(folder, tag=tag, client_state={"step": step}, save_latest=False)
         deepspeed_s = time.perf_counter() - write_start
-        torch.save({name: part.state_dict() for name, part in self.parts.per_rank.items()},
-                   os.path.join(folder, tag, rank_state(self.rank)))
+        torch.save(
+            {name: part.state_dict() for name, part in self.parts.per_rank.items()},
+            os.path.join(folder, tag, rank_state(self.rank)),
+        )
         if self.rank == 0 and self.parts.shared:
-            torch.save({name: part.state_dict() for name, part in self.parts.shared.items()},
-                       os.path.join(folder, tag, SHARED_STATE))
+            torch.save(
+                {name: part.state_dict() for name, part in self.parts.shared.items()},
+                os.path.join(folder, tag, SHARED_STATE),
+            )
         metrics = None
         if self.rank == 0 and self.metrics_path and os.path.exists(self.metrics_path):
             metrics = os.path.join(folder, METRICS)
@@ -218,13 +192,21 @@ class Checkpointer:
                 break
             if time.monotonic() > deadline:
                 missing = sorted(set(range(self.world_size)) - set(receipts))
-                raise StorageError(f"{self.run.object_url(tag)}: ranks {missing} did not finish uploading within "
-                                   f"{self.upload_timeout / 60:.0f} minutes")
+                raise StorageError(
+                    f"{self.run.object_url(tag)}: ranks {missing} did not finish uploading within "
+                    f"{self.upload_timeout / 60:.0f} minutes"
+                )
             time.sleep(0.2)
         files = {name: meta for r in sorted(receipts) for name, meta in receipts[r]["files"].items()}
-        manifest = {"manifest_version": MANIFEST_VERSION, "created_by": f"vitforge {__version__}",
-                    "versions": _versions(), "files": dict(sorted(files.items())), "run_id": self.lease.run_id,
-                    "epoch": self.lease.epoch, **manifest}
+        manifest = {
+            "manifest_version": MANIFEST_VERSION,
+            "created_by": f"vitforge {__version__}",
+            "versions": versions(),
+            "files": dict(sorted(files.items())),
+            "run_id": self.lease.run_id,
+            "epoch": self.lease.epoch,
+            **manifest,
+        }
         # Ownership checked before the manifest is written, and the checkpoint published (its tag
         # listed in the lease) in a write conditional on this job's lease version: a copy that lost
         # the run, even one whose manifest landed after the takeover, publishes nothing.
@@ -236,11 +218,14 @@ class Checkpointer:
         self.run.put_bytes(LATEST, tag.encode())
         deleted = self.run.retention(self.keep_last, self.keep_every, tag)
         self.lease.forget(deleted)
-        log.info("checkpoint %s complete%s", self.run.object_url(tag),
-                 f"; retention removed {', '.join(deleted)}" if deleted else "")
+        log.info(
+            "checkpoint %s complete%s",
+            self.run.object_url(tag),
+            f"; retention removed {', '.join(deleted)}" if deleted else "",
+        )
 
     # -- restoring ---------------------------------------------------------------------------
-    def restore(self, engine_for, resume, check=None) -> tuple[object, Restored | None]:
+    def restore(self, engine_for, resume, check=None) -> tuple[Any, Restored | None]:  # (a DeepSpeed engine, ...)
         """Collective. `engine_for(universal: bool)` builds the engine (DeepSpeed must know at
         construction whether it will load a universal checkpoint). Loads the parts from the first
         usable checkpoint; returns (engine, restored or None). `check(manifest, url)`, a function of
@@ -251,29 +236,35 @@ class Checkpointer:
             return engine_for(False), None
         engine, universal = None, None
 
-        def attempt(tag: str) -> tuple[object, Restored]:
+        def attempt(tag: str) -> tuple[Any, Restored]:
             nonlocal engine, universal
             manifest = agree(lambda: self.run.manifest(tag))
             if check is not None:
                 try:
                     check(manifest, self.run.object_url(tag))
                 except Exception as e:  # of the agreed manifest alone: every rank raises it here
-                    raise together(e)
+                    together(e)
+                    raise
             resharded = manifest["world_size"] != self.world_size
             if resharded != universal:  # built first: which universal files a rank reads depends on it
                 engine, universal = engine_for(resharded), resharded
-            load_dir, ds_tag = self._fetch_universal(engine, tag, manifest) if resharded else \
-                (self._fetch(tag, manifest), tag)
+            load_dir, ds_tag = (
+                fetch_universal(self, engine, tag, manifest) if resharded else (self._fetch(tag, manifest), tag)
+            )
             return engine, self._load(engine, load_dir, ds_tag, tag, manifest, resharded)
 
-        engine, restored = self.run.first_usable(candidates, attempt, explicit=resume not in ("auto", "never"),
-                                                 advice="; set checkpoint.resume=never to start afresh")
+        engine, restored = self.run.first_usable(
+            candidates,
+            attempt,
+            explicit=resume not in ("auto", "never"),
+            advice="; set checkpoint.resume=never to start afresh",
+        )
         # After the choice: a part that refuses its state (the loader, for another dataset) is an
         # error of this run, not a reason to fall back to an older checkpoint.
         self._load_parts(restored)
         return engine, restored
 
-    def _node(self) -> tuple[list[int], bool]:
+    def this_node(self) -> tuple[list[int], bool]:
         """This node's ranks (those sharing this host and staging folder, so its files) and whether
         this rank is their leader. Gathers one (host, staging path) per rank: R short strings."""
         mine = (socket.gethostname(), os.path.realpath(self.staging))
@@ -285,108 +276,28 @@ class Checkpointer:
     def _fetch(self, tag: str, manifest: dict) -> str:
         """Every node's first rank fetches (and checks) the files its ranks need; all agree on the result.
         Returns the folder holding `tag`/."""
-        node_ranks, leader = self._node()
+        node_ranks, leader = self.this_node()
 
         def fetch() -> str:
             if not leader:
                 return ""
             shutil.rmtree(self.download_dir, ignore_errors=True)
-            return self._fetch_files(tag, needed_files(sorted(manifest["files"]), set(node_ranks), False), manifest)
+            return self.fetch_files(tag, needed_files(sorted(manifest["files"]), set(node_ranks), False), manifest)
 
         return all_ok(fetch)[node_ranks[0]]
 
-    def _fetch_files(self, tag: str, names: list[str], listing: dict) -> str:
+    def fetch_files(self, tag: str, names: list[str], listing: dict) -> str:
         """RunStore.fetch into this node's download folder, saying how much came over the network."""
         where = self.run.fetch(tag, names, listing, self.download_dir)
         if self.run.store.local_path("") is None:
-            log.info("fetched %d files, %d bytes of %s to this node (rank %d)", len(names),
-                     sum(listing["files"][n]["bytes"] for n in names), self.run.object_url(tag), self.rank)
+            log.info(
+                "fetched %d files, %d bytes of %s to this node (rank %d)",
+                len(names),
+                sum(listing["files"][n]["bytes"] for n in names),
+                self.run.object_url(tag),
+                self.rank,
+            )
         return where
-
-    def _fetch_universal(self, engine, tag: str, manifest: dict) -> tuple[str, str]:
-        """A checkpoint saved at another world size, as DeepSpeed's universal checkpoint: converted
-        once for the whole job and shared through the store. Returns (load dir, DeepSpeed tag).
-
-        If `tag`/universal.json exists, the universal checkpoint beside the checkpoint is used as it
-        is. Otherwise rank 0 alone fetches the whole checkpoint, runs ds_to_universal and publishes
-        the result there, its marker last (a job that does not own the run, checkpoint.save=false,
-        may not write it: then every node fetches the whole checkpoint and converts it for itself).
-        Each node's leader then fetches only what its ranks read: what DeepSpeed's universal loading opens per rank is the
-        model-states file (under ZeRO-1/2 the whole module in its training dtype, M bytes; under
-        ZeRO-3 rank 0's, small), zero/optimizer_state.pt (small), and under ZeRO-1/2 the fp32,
-        exp_avg and exp_avg_sq files of only the parameters with a fragment in the rank's partition
-        (about 1/R of them, whole tensors), under ZeRO-3 those of every parameter (each rank reads
-        every full tensor and keeps its slice). Per node, with L ranks of R and U = 12 bytes per
-        parameter: rank 0's node downloads the checkpoint once and converts it; every other node
-        downloads about M + U*L/R under ZeRO-1/2, U under ZeRO-3, plus rank 0's state files; none
-        converts. A node's failed fetch makes rank 0 read the published copy once against its marker: converted and
-        published again only if it is bad there, else fetched again (other jobs may be reading it).
-        Host memory: the marker (one line per file) and every rank's parameter names (about P + R
-        names in all) are gathered on every rank."""
-        node_ranks, leader = self._node()
-        marker, retried = agree(lambda: self.run.universal(tag)), False
-        while True:
-            converted = ""
-            if marker is None:
-                if not agree(lambda: self.lease is not None and self.lease.version is not None):
-                    return all_ok(lambda: self._convert(tag, manifest) if leader else "")[node_ranks[0]], UNIVERSAL
-
-                # Two collectives, so the other ranks' longest wait is one step, not both (DeepSpeed's
-                # process-group timeout, 30 minutes by default, bounds each).
-                converted = agree(lambda: self._convert(tag, manifest))
-                about = {"converted_from_world_size": manifest["world_size"], "versions": _versions()}
-                marker = agree(lambda: self.run.publish_universal(tag, os.path.join(converted, UNIVERSAL), about))
-                log.info("published it as %s", self.run.object_url(f"{tag}/{UNIVERSAL}"))
-            reads = all_ok(lambda: universal_reads(engine.optimizer))
-            node_reads = None if any(reads[r] is None for r in node_ranks) else \
-                set().union(*(reads[r] for r in node_ranks))
-
-            def fetch() -> str:
-                if not leader:
-                    return ""
-                if self.rank == 0 and converted:
-                    return converted  # rank 0's node holds the whole conversion (and the checkpoint) already
-                shutil.rmtree(self.download_dir, ignore_errors=True)
-                self._fetch_files(tag, [n for n in (rank_state(0), SHARED_STATE) if n in manifest["files"]],
-                                  manifest)
-                return os.path.join(self._fetch_files(tag, universal_files(marker["files"], node_reads), marker), tag)
-
-            try:
-                return all_ok(fetch)[node_ranks[0]], UNIVERSAL
-            except CheckpointError as e:
-                if converted or retried:
-                    raise
-                retried = True
-                # A published copy gone bad does not condemn the checkpoint: it is converted again. But
-                # other jobs (an eval, a checkpoint.save=false job) may be reading it, and republishing
-                # deletes it first: so only if rank 0 finds it bad, not because one node's fetch failed
-                # (a byte flipped on its way, or another job published it anew since the marker was read).
-                marker, problems = agree(lambda: self.run.universal_problems(tag))
-                if problems:
-                    log.warning("the universal checkpoint beside %s is unusable: %s; converting again",
-                                self.run.object_url(tag), problems[0])
-                    marker = None
-                else:
-                    log.warning("fetching the universal checkpoint beside %s failed (%s), but it checks out in "
-                                "the store; fetching it again", self.run.object_url(tag), e)
-
-    def _convert(self, tag: str, manifest: dict) -> str:
-        """Fetch every file of `tag` to this node and run DeepSpeed's ds_to_universal on it in staging
-        (never in the store); returns the folder holding universal/."""
-        shutil.rmtree(self.download_dir, ignore_errors=True)
-        source = self._fetch_files(tag, needed_files(sorted(manifest["files"]), set(), True), manifest)
-        target = os.path.join(self.staging, "converted", tag)
-        shutil.rmtree(target, ignore_errors=True)
-        command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                   os.path.join(source, tag), "--output_folder", os.path.join(target, UNIVERSAL),
-                   "--inject_missing_state"]
-        result = subprocess.run(command, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise CheckpointError(f"ds_to_universal failed on {self.run.object_url(tag)}: "
-                                  f"{result.stderr.strip()[-1000:]}")
-        log.info("ran ds_to_universal on rank %d: converted %s (saved at %d ranks) to a universal checkpoint",
-                 self.rank, self.run.object_url(tag), manifest["world_size"])
-        return target
 
     def _load(self, engine, load_dir: str, ds_tag: str, tag: str, manifest: dict, resharded: bool) -> Restored:
         def load():
@@ -409,10 +320,15 @@ class Checkpointer:
         """Every part from its saved state. At another world size a RankBound part restarts from a
         seed of (the run's seed, step, rank) instead. A part the checkpoint lacks (added since it
         was saved) keeps its fresh state."""
-        seed = restored.manifest["config"]["train"]["seed"] + 1000003 * restored.step + self.rank \
-            if restored.resharded else None
-        for saved, parts, per_rank in ((restored.per_rank, self.parts.per_rank, True),
-                                       (restored.shared, self.parts.shared, False)):
+        seed = (
+            restored.manifest["config"]["train"]["seed"] + 1000003 * restored.step + self.rank
+            if restored.resharded
+            else None
+        )
+        for saved, parts, per_rank in (
+            (restored.per_rank, self.parts.per_rank, True),
+            (restored.shared, self.parts.shared, False),
+        ):
             for name, part in parts.items():
                 if seed is not None and per_rank and isinstance(part, RankBound):
                     part.restart(seed)
@@ -425,11 +341,3 @@ class Checkpointer:
 def _first_line(error: Exception) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
-
-
-def _versions() -> dict:
-    import deepspeed
-    import timm
-
-    return {"vitforge": __version__, "torch": torch.__version__, "deepspeed": deepspeed.__version__,
-            "timm": timm.__version__, "python": sys.version.split()[0]}

@@ -1,13 +1,13 @@
 """`vitforge ckpt list|verify|export`: inspect, check and export a run's checkpoints (local or s3://).
 
-  vitforge ckpt list RUN                      every checkpoint: step, complete or not (a manifest, and
-                                              every file it lists present at its size), size, world size
-  vitforge ckpt verify RUN[/step_N]           sizes and sha256 of every file against the manifest
-  vitforge ckpt export RUN[/step_N] --out F   consolidated fp32 weights (any ZeRO stage) as F.safetensors,
-                                              with timm key names, plus F.json (model, image size, classes,
-                                              objective). RUN: its newest usable checkpoint, as train
-                                              resumes. Masked patch prediction exports the encoder
-                                              (num_classes=0); --include-head adds F.head.safetensors
+vitforge ckpt list RUN                      every checkpoint: step, complete or not (a manifest, and
+                                            every file it lists present at its size), size, world size
+vitforge ckpt verify RUN[/step_N]           sizes and sha256 of every file against the manifest
+vitforge ckpt export RUN[/step_N] --out F   consolidated fp32 weights (any ZeRO stage) as F.safetensors,
+                                            with timm key names, plus F.json (model, image size, classes,
+                                            objective). RUN: its newest usable checkpoint, as train
+                                            resumes. Masked patch prediction exports the encoder
+                                            (num_classes=0); --include-head adds F.head.safetensors
 """
 
 from __future__ import annotations
@@ -22,19 +22,26 @@ from .run_store import MANIFEST, RunStore, split_checkpoint_url, step_of
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="vitforge ckpt", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="vitforge ckpt", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="list a run's checkpoints").add_argument("run", help="DIR/RUN (local or s3://)")
     verify = sub.add_parser("verify", help="check sizes and checksums against the manifest")
     verify.add_argument("target", help="DIR/RUN (every complete checkpoint) or DIR/RUN/step_N")
     exporter = sub.add_parser("export", help="consolidated fp32 weights as safetensors, for timm")
-    exporter.add_argument("target", help="DIR/RUN (its newest usable checkpoint: damaged ones are passed over with a "
-                                         "warning) or DIR/RUN/step_N (that one only)")
+    exporter.add_argument(
+        "target",
+        help="DIR/RUN (its newest usable checkpoint: damaged ones are passed over with a "
+        "warning) or DIR/RUN/step_N (that one only)",
+    )
     exporter.add_argument("--out", required=True, help="output file, ending in .safetensors")
-    exporter.add_argument("--include-head", action="store_true",
-                          help="also write the objective's pre-training head (masked patch prediction: [mask] "
-                               "embedding and colour head) to OUT.head.safetensors, named in OUT.json")
+    exporter.add_argument(
+        "--include-head",
+        action="store_true",
+        help="also write the objective's pre-training head (masked patch prediction: [mask] "
+        "embedding and colour head) to OUT.head.safetensors, named in OUT.json",
+    )
     args = p.parse_args(argv)
     setup_logging()
     if args.command == "list":
@@ -61,8 +68,10 @@ def _list(url: str) -> int:
         problems, world = _problems(run, tag, files)
         mark = " <- latest" if tag == latest else ""
         why = f"  ({problems[0]}{f'; {len(problems) - 1} more' if len(problems) > 1 else ''})" if problems else ""
-        print(f"{step_of(tag):>10}  {'incomplete' if problems else 'complete':<10} {sum(files.values()):>14} "
-              f"{len(files):>5} {world:>5}  {tag}{mark}{why}")
+        print(
+            f"{step_of(tag):>10}  {'incomplete' if problems else 'complete':<10} {sum(files.values()):>14} "
+            f"{len(files):>5} {world:>5}  {tag}{mark}{why}"
+        )
     return 0
 
 

@@ -19,9 +19,10 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -45,9 +46,14 @@ def detect_env(environ: dict | None = None) -> SchedulerEnv:
     result = scheduler_env(env)
     if not result.master_port:
         result = replace(result, master_port=free_port())
-    env.update(RANK=str(result.rank), WORLD_SIZE=str(result.world_size), LOCAL_RANK=str(result.local_rank),
-               LOCAL_WORLD_SIZE=str(result.local_world_size), MASTER_ADDR=result.master_addr,
-               MASTER_PORT=str(result.master_port))
+    env.update(
+        RANK=str(result.rank),
+        WORLD_SIZE=str(result.world_size),
+        LOCAL_RANK=str(result.local_rank),
+        LOCAL_WORLD_SIZE=str(result.local_world_size),
+        MASTER_ADDR=result.master_addr,
+        MASTER_PORT=str(result.master_port),
+    )
     return result
 
 
@@ -66,10 +72,12 @@ def check_socket_interfaces(environ: dict | None = None) -> None:
         names = [n for n in value.removeprefix("=").split(",") if n]
         missing = [n for n in names if not (n in have if exact else any(i.startswith(n) for i in have))]
         if missing:
-            raise ConfigError(f"{var}={value}: host {socket.gethostname()} has no interface "
-                              f"{' or '.join(missing) if exact else 'starting with ' + ' or '.join(missing)} "
-                              f"(it has {', '.join(have)}); name one every node has (a launch spec's "
-                              "network_interface sets both variables)")
+            raise ConfigError(
+                f"{var}={value}: host {socket.gethostname()} has no interface "
+                f"{' or '.join(missing) if exact else 'starting with ' + ' or '.join(missing)} "
+                f"(it has {', '.join(have)}); name one every node has (a launch spec's "
+                "network_interface sets both variables)"
+            )
 
 
 def init_distributed(env: SchedulerEnv, timeout_s: float = 600.0, rendezvous_timeout_s: float = 900.0) -> torch.device:
@@ -103,7 +111,7 @@ def init_distributed(env: SchedulerEnv, timeout_s: float = 600.0, rendezvous_tim
 def together(error: E) -> E:
     """Mark `error` as raised by every rank at the same point (what `agree` or `all_ok` shares, a
     flag agreed at a step): the ranks can then leave as on success, with a barrier (`shutdown`)."""
-    error.vitforge_raised_together = True
+    error.vitforge_raised_together = True  # type: ignore[attr-defined]  # (our own flag, on any exception)
     return error
 
 
@@ -154,8 +162,12 @@ def agree_keeping(fn: Callable[[], T], summary: Callable[[T], S]) -> tuple[T | N
     return kept[0], shared
 
 
-def broadcast_state(state: dict[str, torch.Tensor] | None, device: torch.device,
-                    receive: Callable[[str, torch.Tensor], None], src: int = 0) -> None:
+def broadcast_state(
+    state: dict[str, torch.Tensor] | None,
+    device: torch.device,
+    receive: Callable[[str, torch.Tensor], None],
+    src: int = 0,
+) -> None:
     """Rank `src`'s state dict to every rank, one tensor at a time on `device` (the engine's):
     `receive(name, tensor)` runs on every rank, `src` too, for each entry in `state`'s order; the
     tensor is only valid during the call (copy it where it belongs). Other ranks pass None.
@@ -165,8 +177,9 @@ def broadcast_state(state: dict[str, torch.Tensor] | None, device: torch.device,
     layout = [[(name, tuple(t.shape), t.dtype) for name, t in state.items()] if mine else None]
     dist.broadcast_object_list(layout, src=src)
     for name, shape, dtype in layout[0]:
-        tensor = state[name].detach().to(device).contiguous() if mine else \
-            torch.empty(shape, dtype=dtype, device=device)
+        tensor = (
+            state[name].detach().to(device).contiguous() if mine else torch.empty(shape, dtype=dtype, device=device)
+        )
         dist.broadcast(tensor, src=src)
         receive(name, tensor)
 
@@ -174,6 +187,7 @@ def broadcast_state(state: dict[str, torch.Tensor] | None, device: torch.device,
 def all_ok(fn: Callable[[], T]) -> list[T]:
     """Every rank runs `fn`; if any raised, every rank raises the lowest failing rank's exception.
     Returns every rank's result."""
+    mine: tuple[str, object]
     try:
         mine = ("ok", fn())
     except Exception as e:  # shared with every rank, raised there

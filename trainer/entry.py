@@ -67,12 +67,7 @@ def run(cfg: Config) -> dict:
         lost = peers.lost() if peers is not None and collective else []
         if lost == []:
             raise
-        # gloo prefixes its source location: "[.../unbound_buffer.cc:78] Timed out waiting 8000ms ..."
-        first = re.sub(r"^\[[^\]]*\] ", "", (str(e).strip() or type(e).__name__).splitlines()[0])
-        whom = f"lost contact with {', '.join(lost)}" if lost else \
-            "lost contact with a peer (rank 0's rendezvous store did not answer in time to tell which)"
-        raise PeerLost(f"{whom} during a collective: {first}; no checkpoint written since the newest complete one: "
-                       "run again (a SLURM job requeues) to resume from it") from e
+        raise _peer_lost(e, lost) from e
     finally:
         if watchdog is not None:
             watchdog.stop()
@@ -89,6 +84,22 @@ def run(cfg: Config) -> dict:
         stop.restore()
 
 
+def _peer_lost(error: Exception, lost: list[str] | None) -> PeerLost:
+    """What a collective that failed because peers were lost (their hosts; None: rank 0 could not
+    tell which) ends the run with."""
+    # gloo prefixes its source location: "[.../unbound_buffer.cc:78] Timed out waiting 8000ms ..."
+    first = re.sub(r"^\[[^\]]*\] ", "", (str(error).strip() or type(error).__name__).splitlines()[0])
+    whom = (
+        f"lost contact with {', '.join(lost)}"
+        if lost
+        else "lost contact with a peer (rank 0's rendezvous store did not answer in time to tell which)"
+    )
+    return PeerLost(
+        f"{whom} during a collective: {first}; no checkpoint written since the newest complete one: "
+        "run again (a SLURM job requeues) to resume from it"
+    )
+
+
 def _requeue_if_signalled(stop: StopRequest, error: Exception) -> None:
     """A stop signal held during start-up also reached this rank's children, and a child that
     does not hold it dies of it (ninja's compilers, JIT-building a DeepSpeed op): start-up then
@@ -96,17 +107,21 @@ def _requeue_if_signalled(stop: StopRequest, error: Exception) -> None:
     stopped at a step. A vitforge error (config, storage, checkpoint) is real and stays one."""
     held = stop.held()
     if held is not None and not isinstance(error, VitforgeError):
-        raise Requeue(f"{held} came during start-up, which then failed ({type(error).__name__}: "
-                      f"{str(error).splitlines()[0] if str(error) else ''}); nothing was trained since the last "
-                      "checkpoint") from error
+        raise Requeue(
+            f"{held} came during start-up, which then failed ({type(error).__name__}: "
+            f"{str(error).splitlines()[0] if str(error) else ''}); nothing was trained since the last "
+            "checkpoint"
+        ) from error
 
 
 def run_eval(cfg: Config, checkpoint_url: str, model_overrides: set[str]) -> dict:
     """Evaluate a checkpoint on data.val: the model and class map come from its manifest (keys
     set with --set model.X win), the training data is never touched."""
     if not cfg.data.val and not cfg.eval.probes:
-        raise ConfigError("data.val and eval.probes are not set: nothing to evaluate on "
-                          "(--set data.val=..., or eval.probes with --fewshot)")
+        raise ConfigError(
+            "data.val and eval.probes are not set: nothing to evaluate on "
+            "(--set data.val=..., or eval.probes with --fewshot)"
+        )
     env = detect_env()
     device = init_distributed(env, cfg.train.collective_timeout_s, cfg.train.rendezvous_timeout_s)
     set_tf32(device, cfg.train.tf32)
@@ -126,8 +141,13 @@ def run_eval(cfg: Config, checkpoint_url: str, model_overrides: set[str]) -> dic
             if val_loader is not None:
                 _check_classes(weights.manifest.get("classes"), getattr(val_loader.index, "classes", None))
                 check_labelled(objective, val_loader)
-            model = build_model(model_cfg.name, num_classes, model_cfg.image_size, pre_logits=model_cfg.pre_logits,
-                                objective=objective.name).to(device)
+            model = build_model(
+                model_cfg.name,
+                num_classes,
+                model_cfg.image_size,
+                pre_logits=model_cfg.pre_logits,
+                objective=objective.name,
+            ).to(device)
             load_broadcast(model, state, weights.url, device)
             del state
             result = {"checkpoint": weights.url, "weights": weights.weights}
@@ -143,5 +163,7 @@ def run_eval(cfg: Config, checkpoint_url: str, model_overrides: set[str]) -> dic
 
 def _check_classes(trained: list[str] | None, evaluated: list[str] | None) -> None:
     if trained and evaluated and list(trained) != list(evaluated):
-        raise ConfigError(f"data.val has classes {evaluated[:5]}... but the checkpoint was trained on "
-                          f"{trained[:5]}...: the labels would not mean the same thing")
+        raise ConfigError(
+            f"data.val has classes {evaluated[:5]}... but the checkpoint was trained on "
+            f"{trained[:5]}...: the labels would not mean the same thing"
+        )

@@ -25,11 +25,11 @@ import torch
 from vitforge.core import CheckpointError, UsageError, atomic_path, atomic_write
 from vitforge.pipeline import IMAGENET_MEAN, IMAGENET_STD
 
-from .checkpoint import SHARED_STATE, needed_files
+from .checkpoint_files import SHARED_STATE, needed_files
 from .distributed import agree, agree_keeping, broadcast_state
 from .model import build_model
 from .model_names import check_model_name
-from .objective import OBJECTIVES, PreLogitsHead
+from .objective import OBJECTIVES, PreLogitsHead, get_objective
 from .objectives import saved_objective
 from .run_store import RunStore, split_checkpoint_url
 
@@ -82,8 +82,9 @@ def consolidate_on_rank0(url: str, scratch: str, prefer_ema: bool = True) -> tup
     """`consolidate` once per job: rank 0 fetches and consolidates and keeps the weights (returned
     first; None on the other ranks); every rank gets the rest (manifest, URL, which weights) with an
     empty state, or raises rank 0's error."""
-    kept, described = agree_keeping(lambda: consolidate(url, scratch, prefer_ema),
-                                    lambda weights: replace(weights, state={}))
+    kept, described = agree_keeping(
+        lambda: consolidate(url, scratch, prefer_ema), lambda weights: replace(weights, state={})
+    )
     return (kept.state if kept is not None else None), described
 
 
@@ -95,8 +96,10 @@ def check_fits(target: dict[str, torch.Tensor], state: dict, where: str) -> None
         raise CheckpointError(f"{where}: does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
     for name, value in target.items():
         if tuple(state[name].shape) != tuple(value.shape):
-            raise CheckpointError(f"{where}: parameter {name} has shape {tuple(state[name].shape)} in the "
-                                  f"checkpoint but {tuple(value.shape)} in the model (model config differs?)")
+            raise CheckpointError(
+                f"{where}: parameter {name} has shape {tuple(state[name].shape)} in the "
+                f"checkpoint but {tuple(value.shape)} in the model (model config differs?)"
+            )
 
 
 def load_exact(model: torch.nn.Module, state: dict, where: str, assign: bool = False) -> None:
@@ -123,8 +126,13 @@ def trained_model(weights: Consolidated) -> torch.nn.Module:
     saved = weights.manifest.get("config", {}).get("model", {})
     check_model_name(saved["name"])
     with torch.device("meta"):
-        model = build_model(saved["name"], weights.manifest.get("num_classes") or 0, saved["image_size"],
-                            pre_logits=saved.get("pre_logits", False), objective=objective)
+        model = build_model(
+            saved["name"],
+            weights.manifest.get("num_classes") or 0,
+            saved["image_size"],
+            pre_logits=saved.get("pre_logits", False),
+            objective=objective,
+        )
     load_exact(model, weights.state, weights.url, assign=True)
     return model
 
@@ -133,11 +141,17 @@ def model_description(manifest: dict, exported: torch.nn.Module) -> dict:
     """What a user needs beside the weights: the timm name, the input, the classifier's size (0:
     the encoder alone) and class map, and the objective it was trained for."""
     model = manifest.get("config", {}).get("model", {})
-    return {"model": model.get("name"), "image_size": model.get("image_size"),
-            "pre_logits": isinstance(getattr(exported, "head", None), PreLogitsHead),
-            "num_classes": exported.num_classes, "classes": manifest.get("classes") if exported.num_classes else None,
-            "objective": saved_objective(manifest),
-            "mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD), "step": manifest.get("step")}
+    return {
+        "model": model.get("name"),
+        "image_size": model.get("image_size"),
+        "pre_logits": isinstance(getattr(exported, "head", None), PreLogitsHead),
+        "num_classes": exported.num_classes,
+        "classes": manifest.get("classes") if exported.num_classes else None,
+        "objective": saved_objective(manifest),
+        "mean": list(IMAGENET_MEAN),
+        "std": list(IMAGENET_STD),
+        "step": manifest.get("step"),
+    }
 
 
 def export(url: str, out: str, scratch: str, include_head: bool = False) -> dict:
@@ -149,18 +163,19 @@ def export(url: str, out: str, scratch: str, include_head: bool = False) -> dict
     weights = consolidate(url, scratch)
     objective = saved_objective(weights.manifest)
     if objective not in OBJECTIVES:
-        raise UsageError(f"{weights.url}: objective {objective!r} cannot be exported (this vitforge exports "
-                         f"{', '.join(OBJECTIVES)})")
+        raise UsageError(
+            f"{weights.url}: objective {objective!r} cannot be exported (this vitforge exports {', '.join(OBJECTIVES)})"
+        )
     model = trained_model(weights)
-    exported = OBJECTIVES[objective].exported(model)
+    exported = get_objective(objective).exported(model)
     timm_state = exported.state_dict(keep_vars=True)
     inside = {id(v) for v in timm_state.values()}
     head = {k: v for k, v in model.state_dict(keep_vars=True).items() if id(v) not in inside}
     if include_head and not head:
-        raise UsageError(f"--include-head: a {objective} export has no separate pre-training head (its whole "
-                         f"model goes to {out})")
-    description = {**model_description(weights.manifest, exported), "weights": weights.weights,
-                   "source": weights.url}
+        raise UsageError(
+            f"--include-head: a {objective} export has no separate pre-training head (its whole model goes to {out})"
+        )
+    description = {**model_description(weights.manifest, exported), "weights": weights.weights, "source": weights.url}
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     _save(timm_state, out, {"model": str(description["model"]), "objective": objective})
     if include_head:

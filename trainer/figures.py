@@ -39,7 +39,7 @@ def filter_components(proj_weight: torch.Tensor, count: int = 28) -> tuple[np.nd
     tiles = basis[:count].reshape(count, *proj_weight.shape[1:]).permute(0, 2, 3, 1).numpy()
     low = tiles.min(axis=(1, 2, 3), keepdims=True)
     high = tiles.max(axis=(1, 2, 3), keepdims=True)
-    variance = (singular ** 2 / (singular ** 2).sum()).numpy()
+    variance = (singular**2 / (singular**2).sum()).numpy()
     return (tiles - low) / np.maximum(high - low, 1e-12), variance[:count]
 
 
@@ -64,8 +64,9 @@ def attention_maps(model, images: torch.Tensor) -> list[torch.Tensor]:
     return maps
 
 
-def mean_attention_distance(attention: torch.Tensor, grid: tuple[int, int], patch_pixels: float,
-                            prefix_tokens: int) -> np.ndarray:
+def mean_attention_distance(
+    attention: torch.Tensor, grid: tuple[int, int], patch_pixels: float, prefix_tokens: int
+) -> np.ndarray:
     """(heads,): the attention-weighted distance in pixels between query and key patches, averaged
     over query patches and images."""
     patch_attention = attention[..., prefix_tokens:, prefix_tokens:].double()
@@ -101,8 +102,9 @@ def compute(model, images: torch.Tensor | None) -> dict:
     if images is not None:
         maps = attention_maps(model, images)
         patch_pixels = images.shape[-1] / grid[1]
-        out["mean_attention_distance"] = np.stack([mean_attention_distance(a, grid, patch_pixels, prefix)
-                                                   for a in maps])
+        out["mean_attention_distance"] = np.stack(
+            [mean_attention_distance(a, grid, patch_pixels, prefix) for a in maps]
+        )
         out["rollout"] = attention_rollout(maps, grid, prefix)
     return out
 
@@ -123,7 +125,24 @@ def write_figures(numbers: dict, images: torch.Tensor | None, out: str, mean=Non
         plt.close(fig)
         written.append(path)
 
-    similarity = numbers["position_similarity"]
+    save(_position_similarity(numbers["position_similarity"]), "position_similarity.png")
+    if "filters" in numbers:
+        save(_embedding_filters(numbers["filters"]), "embedding_filters.png")
+    if "mean_attention_distance" in numbers:
+        save(_attention_distance(numbers["mean_attention_distance"]), "mean_attention_distance.png")
+    if "rollout" in numbers and images is not None:
+        save(_attention_rollout(numbers["rollout"], images, mean, std), "attention_rollout.png")
+    path = os.path.join(out, "numbers.json")
+    with open(path, "w") as f:
+        json.dump({k: np.asarray(v).tolist() if isinstance(v, np.ndarray) else v for k, v in numbers.items()}, f)
+    written.append(path)
+    return written
+
+
+# Each figure's plot: pyplot is imported (by write_figures, after choosing its backend) only when drawn.
+def _position_similarity(similarity: np.ndarray):
+    import matplotlib.pyplot as plt
+
     rows, cols = similarity.shape[:2]
     fig, axes = plt.subplots(rows, cols, figsize=(cols * 0.6 + 1, rows * 0.6), squeeze=False)
     for r in range(rows):
@@ -135,40 +154,45 @@ def write_figures(numbers: dict, images: torch.Tensor | None, out: str, mean=Non
     fig.supylabel("Input patch row")
     fig.colorbar(shown, ax=axes, shrink=0.6, label="Cosine similarity")
     fig.suptitle("Position embedding similarity")
-    save(fig, "position_similarity.png")
-    if "filters" in numbers:
-        filters = numbers["filters"]
-        fig, axes = plt.subplots(4, 7, figsize=(7, 4), squeeze=False)
-        for i, ax in enumerate(axes.flat):
-            if i < len(filters):
-                ax.imshow(filters[i], interpolation="nearest")
-            ax.axis("off")
-        fig.suptitle("RGB embedding filters (first 28 principal components)")
-        save(fig, "embedding_filters.png")
-    if "mean_attention_distance" in numbers:
-        distance = numbers["mean_attention_distance"]
-        fig, ax = plt.subplots(figsize=(4.5, 4))
-        for layer, heads in enumerate(distance):
-            ax.scatter(np.full(len(heads), layer), heads, s=12)
-        ax.set_xlabel("Network depth (layer)")
-        ax.set_ylabel("Mean attention distance (pixels)")
-        ax.set_title("Mean attention distance per head")
-        save(fig, "mean_attention_distance.png")
-    if "rollout" in numbers and images is not None:
-        pictures = images.float() * torch.tensor(std).view(1, 3, 1, 1) + torch.tensor(mean).view(1, 3, 1, 1)
-        pictures = pictures.clamp(0, 1).permute(0, 2, 3, 1).numpy()
-        fig, axes = plt.subplots(2, len(pictures), figsize=(2 * len(pictures), 4), squeeze=False)
-        for i, (picture, flow) in enumerate(zip(pictures, numbers["rollout"])):
-            size = picture.shape[:2]
-            mask = F.interpolate(torch.from_numpy(flow)[None, None].float(), size=size, mode="bilinear")[0, 0]
-            axes[0][i].imshow(picture)
-            axes[1][i].imshow(picture * mask.numpy()[..., None])
-            axes[0][i].axis("off")
-            axes[1][i].axis("off")
-        fig.suptitle("Input and attention rollout")
-        save(fig, "attention_rollout.png")
-    path = os.path.join(out, "numbers.json")
-    with open(path, "w") as f:
-        json.dump({k: np.asarray(v).tolist() if isinstance(v, np.ndarray) else v for k, v in numbers.items()}, f)
-    written.append(path)
-    return written
+    return fig
+
+
+def _embedding_filters(filters: np.ndarray):
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(4, 7, figsize=(7, 4), squeeze=False)
+    for i, ax in enumerate(axes.flat):
+        if i < len(filters):
+            ax.imshow(filters[i], interpolation="nearest")
+        ax.axis("off")
+    fig.suptitle("RGB embedding filters (first 28 principal components)")
+    return fig
+
+
+def _attention_distance(distance: np.ndarray):
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(4.5, 4))
+    for layer, heads in enumerate(distance):
+        ax.scatter(np.full(len(heads), layer), heads, s=12)
+    ax.set_xlabel("Network depth (layer)")
+    ax.set_ylabel("Mean attention distance (pixels)")
+    ax.set_title("Mean attention distance per head")
+    return fig
+
+
+def _attention_rollout(rollout: np.ndarray, images: torch.Tensor, mean, std):
+    import matplotlib.pyplot as plt
+
+    pictures = images.float() * torch.tensor(std).view(1, 3, 1, 1) + torch.tensor(mean).view(1, 3, 1, 1)
+    pictures = pictures.clamp(0, 1).permute(0, 2, 3, 1).numpy()
+    fig, axes = plt.subplots(2, len(pictures), figsize=(2 * len(pictures), 4), squeeze=False)
+    for i, (picture, flow) in enumerate(zip(pictures, rollout)):
+        size = picture.shape[:2]
+        mask = F.interpolate(torch.from_numpy(flow)[None, None].float(), size=size, mode="bilinear")[0, 0]
+        axes[0][i].imshow(picture)
+        axes[1][i].imshow(picture * mask.numpy()[..., None])
+        axes[0][i].axis("off")
+        axes[1][i].axis("off")
+    fig.suptitle("Input and attention rollout")
+    return fig

@@ -12,8 +12,15 @@ from __future__ import annotations
 
 from .errors import ConfigError
 
-FIXED = ("model.name", "model.image_size", "model.pre_logits", "train.objective", "train.global_batch",
-         "train.seed", "optimizer.name")
+FIXED = (
+    "model.name",
+    "model.image_size",
+    "model.pre_logits",
+    "train.objective",
+    "train.global_batch",
+    "train.seed",
+    "optimizer.name",
+)
 # Where the run lives and how this start picks its checkpoint: not settings of the experiment.
 PLACE = ("checkpoint.dir", "checkpoint.run", "checkpoint.resume")
 CHANGES = "changed_on_resume"  # the manifest's record: [{"step": N, "settings": {key: [saved, now]}}]
@@ -40,14 +47,22 @@ def check_resume(manifest: dict, config: dict, num_classes: int | None, url: str
     if not isinstance(saved, dict):
         return {}
     before, now = flat(saved), flat(config)
-    fixed = [f"{key}: {before[key]!r} in the checkpoint, {now.get(key)!r} now" for key in FIXED
-             if key in before and before[key] != now.get(key)]
+    fixed = [
+        f"{key}: {before[key]!r} in the checkpoint, {now.get(key)!r} now"
+        for key in FIXED
+        if key in before and before[key] != now.get(key)
+    ]
     saved_classes = manifest.get("num_classes")
     if saved_classes is not None and num_classes is not None and saved_classes != num_classes:
         fixed.append(f"classes: {saved_classes} in the checkpoint, {num_classes} now")
     if fixed:
-        raise ConfigError(f"{url} cannot be resumed with these settings, which a run keeps from its start: "
-                          f"{'; '.join(fixed)}. Set them back, or start another run (checkpoint.run, with "
-                          "checkpoint.init_from to fine-tune from this one)")
-    return {key: [before.get(key), now.get(key)] for key in sorted(set(before) | set(now))
-            if before.get(key) != now.get(key) and key not in PLACE}
+        raise ConfigError(
+            f"{url} cannot be resumed with these settings, which a run keeps from its start: "
+            f"{'; '.join(fixed)}. Set them back, or start another run (checkpoint.run, with "
+            "checkpoint.init_from to fine-tune from this one)"
+        )
+    return {
+        key: [before.get(key), now.get(key)]
+        for key in sorted(set(before) | set(now))
+        if before.get(key) != now.get(key) and key not in PLACE
+    }

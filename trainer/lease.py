@@ -12,6 +12,8 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from vitforge.core import PreconditionFailed, StorageError, process_alive, scheduler_env
 
@@ -27,8 +29,12 @@ def job_identity() -> dict:
     Outside a scheduler's job, this process is the job."""
     place = scheduler_env()
     host, pid = socket.gethostname(), os.getpid()
-    return {"job": place.job or f"{host}:{pid}:{time.time_ns()}", "incarnation": place.restart_count,
-            "host": host, "pid": pid}
+    return {
+        "job": place.job or f"{host}:{pid}:{time.time_ns()}",
+        "incarnation": place.restart_count,
+        "host": host,
+        "pid": pid,
+    }
 
 
 HELD, RELEASED = "held", "released"
@@ -107,8 +113,10 @@ class Lease:
                             if verdict == "pending":
                                 return False, None
                             continue  # released or removed while watched: judge it again
-                        note = (f"took over {self.run.url} from job {_who(holder)}: its lease did not change "
-                                f"for {self._period(holder):.0f} s")
+                        note = (
+                            f"took over {self.run.url} from job {_who(holder)}: its lease did not change "
+                            f"for {self._period(holder):.0f} s"
+                        )
                 self.run_id = holder.get("run_id") or uuid.uuid4().hex
                 self.epoch = _int(holder.get("epoch")) + 1
                 self.checkpoints = published_tags(holder)
@@ -128,7 +136,8 @@ class Lease:
             raise StorageError(
                 f"{self.run.url} is held by restart {theirs} of job {self.me['job']} on {holder.get('host')} "
                 f"(pid {holder.get('pid')}); this process is restart {mine}, a stale copy that SLURM requeued "
-                "since: it must not touch the run")
+                "since: it must not touch the run"
+            )
         if holder.get("state") == RELEASED:
             return ""
         if same_job and theirs < mine:
@@ -150,8 +159,12 @@ class Lease:
             raise self._alive(holder)
         period = self._period(holder)
         if self._watching is None:
-            log.info("%s is held by job %s; watching its lease for up to %.0f s to tell whether it is alive",
-                     self.run.url, _who(holder), period)
+            log.info(
+                "%s is held by job %s; watching its lease for up to %.0f s to tell whether it is alive",
+                self.run.url,
+                _who(holder),
+                period,
+            )
             self._watching = (version, time.monotonic())
         while (waited := time.monotonic() - self._watching[1]) < period:
             if time.monotonic() >= end:
@@ -170,7 +183,8 @@ class Lease:
     def _alive(self, holder: dict) -> StorageError:
         return StorageError(
             f"{self.run.url} is in use by job {_who(holder)}: its lease changed while this job watched it, "
-            "so it is alive; two jobs must not write one run. Use another checkpoint.run, or stop that job")
+            "so it is alive; two jobs must not write one run. Use another checkpoint.run, or stop that job"
+        )
 
     def refresh(self) -> None:
         """Renew the lease; fails if another job took the run meanwhile."""
@@ -183,8 +197,10 @@ class Lease:
                 self.lost = True
                 current = self.run.store.get_versioned(LEASE)
                 holder = _who(_parse(current[0])) if current else "nobody (the lease was deleted)"
-                raise StorageError(f"{self.run.url}: this job lost ownership of the run to {holder}; "
-                                   "stopping without touching its checkpoints") from None
+                raise StorageError(
+                    f"{self.run.url}: this job lost ownership of the run to {holder}; "
+                    "stopping without touching its checkpoints"
+                ) from None
 
     def publish(self, tag: str) -> None:
         """The commit point of checkpoint `tag`: its name joins the published list in a write
@@ -192,8 +208,9 @@ class Lease:
         host's, whose manifest landed after the takeover) is refused by the store itself and its
         checkpoint never counts as complete (RunStore.complete_tags)."""
         with self.lock:
-            self.checkpoints = dict(sorted({**(self.checkpoints or {}), tag: self.epoch}.items(),
-                                           key=lambda kv: step_of(kv[0])))
+            self.checkpoints = dict(
+                sorted({**(self.checkpoints or {}), tag: self.epoch}.items(), key=lambda kv: step_of(kv[0]))
+            )
         self.refresh()
 
     def forget(self, tags: list[str]) -> None:
@@ -209,8 +226,9 @@ class Lease:
                 except Exception as e:  # lost: the next checkpoint's refresh reports it on the main path
                     if self.lost or self.version is None:
                         return
-                    log.warning("could not renew the lease of %s (retrying in %.0f s): %s", self.run.url,
-                                self.beat_s, e)
+                    log.warning(
+                        "could not renew the lease of %s (retrying in %.0f s): %s", self.run.url, self.beat_s, e
+                    )
 
         self._thread = threading.Thread(target=beat, name="vitforge-lease", daemon=True)
         self._thread.start()
@@ -230,17 +248,26 @@ class Lease:
 
     def _write(self, version: str | None, state: str) -> str:
         self.beats += 1  # every write differs, so the version (ETag, sha256) changes with every beat
-        record = {**self.me, "state": state, "beat": self.beats, "lease_s": self.seconds, "run_id": self.run_id,
-                  "epoch": self.epoch, **({} if self.checkpoints is None else {"checkpoints": self.checkpoints}),
-                  "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ (this host's clock, for humans)", time.gmtime())}
+        record = {
+            **self.me,
+            "state": state,
+            "beat": self.beats,
+            "lease_s": self.seconds,
+            "run_id": self.run_id,
+            "epoch": self.epoch,
+            **({} if self.checkpoints is None else {"checkpoints": self.checkpoints}),
+            "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ (this host's clock, for humans)", time.gmtime()),
+        }
         try:
             return self.run.store.put_if(LEASE, json.dumps(record, sort_keys=True).encode(), version)
         except PreconditionFailed:
             # A write that landed but whose reply was lost is retried by the client against the old
             # version and refused: the record there is then this very write, which is ours to keep.
             current = self.run.store.get_versioned(LEASE)
-            if current is not None and _parse(current[0]) == {**record, "written_at": _parse(current[0]).get(
-                    "written_at")}:
+            if current is not None and _parse(current[0]) == {
+                **record,
+                "written_at": _parse(current[0]).get("written_at"),
+            }:
                 return current[1]
             raise
 
@@ -254,7 +281,10 @@ def _int(value) -> int:
     return _number(value, int)
 
 
-def _number(value, kind: type) -> int | float:
+N = TypeVar("N", int, float)
+
+
+def _number(value, kind: Callable[[Any], N]) -> N:
     """A number from another job's lease record; 0 when it lacks one or wrote something else."""
     try:
         return kind(value)

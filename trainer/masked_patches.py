@@ -28,10 +28,11 @@ def corruption(seed: int, epoch: int, positions: np.ndarray, patches: int) -> tu
     source = np.tile(np.arange(patches, dtype=np.int64), (len(positions), 1))
     for row, position in enumerate(positions):
         rng = np.random.default_rng([seed, epoch, int(position), 11])
-        chosen = rng.permutation(patches)[:int(patches * CORRUPTED_SHARE)]
+        chosen = rng.permutation(patches)[: int(patches * CORRUPTED_SHARE)]
         draw = rng.random(len(chosen))
-        action[row, chosen] = np.where(draw < MASK_SHARE, MASKED,
-                                       np.where(draw < MASK_SHARE + SWAP_SHARE, SWAPPED, KEPT))
+        action[row, chosen] = np.where(
+            draw < MASK_SHARE, MASKED, np.where(draw < MASK_SHARE + SWAP_SHARE, SWAPPED, KEPT)
+        )
         other = rng.integers(patches - 1, size=len(chosen))
         other += other >= chosen  # any patch but itself
         source[row, chosen] = np.where(action[row, chosen] == SWAPPED, other, chosen)
@@ -68,4 +69,4 @@ class MaskedPatchModel(torch.nn.Module):
         x = torch.where((action == SWAPPED)[..., None], swapped, x)
         x = torch.cat([vit.cls_token.expand(len(x), -1, -1).to(x.dtype), x], dim=1) + vit.pos_embed
         x = vit.norm(vit.blocks(vit.norm_pre(vit.pos_drop(x))))
-        return self.head(x[:, vit.num_prefix_tokens:])
+        return self.head(x[:, vit.num_prefix_tokens :])

@@ -6,6 +6,8 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("vitforge.train")
 
@@ -14,7 +16,7 @@ log = logging.getLogger("vitforge.train")
 class MetricsLog:
     folder: str
     enabled: bool  # rank 0 only
-    writer: object = field(default=None, repr=False)
+    writer: Any = field(default=None, repr=False)  # a tensorboard SummaryWriter, when installed
 
     @property
     def path(self) -> str:
@@ -37,7 +39,7 @@ class MetricsLog:
         if not self.enabled:
             return
         os.makedirs(self.folder, exist_ok=True)
-        text = open(self.path).read() if os.path.exists(self.path) else (saved or b"").decode()
+        text = Path(self.path).read_text() if os.path.exists(self.path) else (saved or b"").decode()
         kept = [line for line in text.splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
         with open(self.path, "w") as f:
             f.write("".join(line + "\n" for line in kept))

@@ -43,8 +43,9 @@ def soft_targets(labels: torch.Tensor, num_classes: int, smoothing: float) -> to
     return targets * valid[:, None]
 
 
-def mix_batch(images: torch.Tensor, labels: torch.Tensor, mixing: Mixing, step: int, micro: int,
-              rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def mix_batch(
+    images: torch.Tensor, labels: torch.Tensor, mixing: Mixing, step: int, micro: int, rank: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(images, soft targets) for one training micro-batch; the inputs are not modified."""
     targets = soft_targets(labels, mixing.num_classes, mixing.smoothing)
     rng = np.random.default_rng([mixing.seed, step, micro, rank])

@@ -29,33 +29,58 @@ PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "T
 PAPER_PARAMETERS = {"vit_base_patch16_224": 86e6, "vit_large_patch16_224": 307e6, "vit_huge_patch14_224": 632e6}
 
 
-def build_model(name: str, num_classes: int, image_size: int, drop_path: float = 0.0, dropout: float = 0.0,
-                pre_logits: bool = False, objective: str = DEFAULT_OBJECTIVE) -> torch.nn.Module:
+def build_model(
+    name: str,
+    num_classes: int,
+    image_size: int,
+    drop_path: float = 0.0,
+    dropout: float = 0.0,
+    pre_logits: bool = False,
+    objective: str = DEFAULT_OBJECTIVE,
+) -> torch.nn.Module:
     """The model `objective` trains, around the ViT or BiT ResNet `name` (its head:
     objective.Objective.build). A ViT-only setting on a ResNet is a ConfigError naming it."""
     refuse_vit_settings(name, pre_logits=pre_logits, dropout=dropout > 0)
-    return get_objective(objective).build(partial(_build, name, image_size=image_size, drop_path=drop_path,
-                                                  dropout=dropout), num_classes, pre_logits)
+    return get_objective(objective).build(
+        partial(_build, name, image_size=image_size, drop_path=drop_path, dropout=dropout), num_classes, pre_logits
+    )
 
 
 def _build(name: str, num_classes: int, *, image_size: int, drop_path: float, dropout: float) -> torch.nn.Module:
     # The paper's dropout: after the position embeddings and every dense layer except qkv (timm's
     # proj_drop covers the attention output and MLP layers, drop_rate the input of the head).
-    regularisation = dict(drop_path_rate=drop_path, pos_drop_rate=dropout, proj_drop_rate=dropout, drop_rate=dropout)
+    regularisation = {
+        "drop_path_rate": drop_path,
+        "pos_drop_rate": dropout,
+        "proj_drop_rate": dropout,
+        "drop_rate": dropout,
+    }
     if name in TINY_MODELS:
         return VisionTransformer(img_size=image_size, num_classes=num_classes, **regularisation, **TINY_MODELS[name])
     if name in TINY_HYBRIDS:
         layout = dict(TINY_HYBRIDS[name])
         backbone = ResNetV2(**layout.pop("backbone"), num_classes=0, global_pool="", preact=False, stem_type="fixed")
-        return VisionTransformer(img_size=image_size, patch_size=1, num_classes=num_classes, **regularisation,
-                                 embed_layer=partial(HybridEmbed, backbone=backbone), **layout)
+        return VisionTransformer(
+            img_size=image_size,
+            patch_size=1,
+            num_classes=num_classes,
+            **regularisation,
+            embed_layer=partial(HybridEmbed, backbone=backbone),
+            **layout,
+        )
     if name in TINY_RESNETS:
         layout = dict(TINY_RESNETS[name])
         norm = partial(GroupNormAct, num_groups=layout.pop("num_groups"))
-        return ResNetV2(**layout, num_classes=num_classes, stem_type="fixed", conv_layer=partial(StdConv2d, eps=1e-8),
-                        norm_layer=norm, drop_path_rate=drop_path)
+        return ResNetV2(
+            **layout,
+            num_classes=num_classes,
+            stem_type="fixed",
+            conv_layer=partial(StdConv2d, eps=1e-8),
+            norm_layer=norm,
+            drop_path_rate=drop_path,
+        )
     # A ResNet takes any input size (global pooling) and has none of the ViT's dropout (refused above).
-    settings = dict(img_size=image_size, **regularisation) if is_vit(name) else dict(drop_path_rate=drop_path)
+    settings = dict(img_size=image_size, **regularisation) if is_vit(name) else {"drop_path_rate": drop_path}
     try:
         return timm.create_model(name, pretrained=False, num_classes=num_classes, **settings)
     except RuntimeError as e:
@@ -96,9 +121,10 @@ def adapt_state_dict(state: dict, model: torch.nn.Module) -> tuple[dict, list[st
         changed.append("masked patch prediction's [mask] embedding and colour head dropped; its encoder kept")
     if "pos_embed" in state and state["pos_embed"].shape != target["pos_embed"].shape:
         old = state["pos_embed"].shape[1] - model.num_prefix_tokens
-        state["pos_embed"] = resample_abs_pos_embed(state["pos_embed"], new_size=model.patch_embed.grid_size,
-                                                    num_prefix_tokens=model.num_prefix_tokens)
-        side = int(math.isqrt(old))
+        state["pos_embed"] = resample_abs_pos_embed(
+            state["pos_embed"], new_size=model.patch_embed.grid_size, num_prefix_tokens=model.num_prefix_tokens
+        )
+        side = math.isqrt(old)
         changed.append(f"pos_embed {side}x{side} -> {'x'.join(map(str, model.patch_embed.grid_size))}")
     # Fine-tuning (paper section 3.1): the pre-training head goes, pre-logits layer included, and a
     # zero-initialised classifier for the new classes takes its place.
@@ -115,7 +141,8 @@ def adapt_state_dict(state: dict, model: torch.nn.Module) -> tuple[dict, list[st
 
 def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """No weight decay on norms, biases, position embeddings and the class token (1-D or named)."""
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     skip = set(getattr(model, "no_weight_decay", lambda: set())())
     for name, param in model.named_parameters():
         if not param.requires_grad:

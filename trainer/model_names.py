@@ -17,28 +17,34 @@ import functools
 import importlib.util
 import os
 import re
+from typing import Any
 
 from .errors import ConfigError
 from .objectives import DEFAULT_OBJECTIVE, vit_only
 
 # Tiny configurations for CPU tests and demos, built like the real ones.
 TINY_MODELS = {
-    "vit_tiny_cpu": dict(patch_size=8, embed_dim=64, depth=2, num_heads=2, mlp_ratio=2.0),
-    "vit_small_cpu": dict(patch_size=8, embed_dim=128, depth=4, num_heads=4, mlp_ratio=4.0),
+    "vit_tiny_cpu": {"patch_size": 8, "embed_dim": 64, "depth": 2, "num_heads": 2, "mlp_ratio": 2.0},
+    "vit_small_cpu": {"patch_size": 8, "embed_dim": 128, "depth": 4, "num_heads": 4, "mlp_ratio": 4.0},
 }
 # The paper's hybrids (section 3.1: a ResNet's feature map, cut into 1x1 patches, feeds the
 # transformer) come from timm (vit_base_r50_s16_224, vit_large_r50_s32_224, ...); this one is its
 # CPU-sized sibling: ResNet stem (7x7/2 conv, 3x3/2 max-pool) and one bottleneck stage, 8x8 tokens at 32 px.
-TINY_HYBRIDS = {
-    "vit_hybrid_tiny_cpu": dict(backbone=dict(layers=(1,), channels=(128,), stem_chs=32), embed_dim=64, depth=2,
-                                num_heads=2, mlp_ratio=2.0),
+TINY_HYBRIDS: dict[str, dict[str, Any]] = {
+    "vit_hybrid_tiny_cpu": {
+        "backbone": {"layers": (1,), "channels": (128,), "stem_chs": 32},
+        "embed_dim": 64,
+        "depth": 2,
+        "num_heads": 2,
+        "mlp_ratio": 2.0,
+    },
 }
 # The ViT paper's baseline, BiT (Kolesnikov et al., "Big Transfer", arXiv 1912.11370): ResNet-v2 with
 # group norm and weight-standardised convolutions, from timm (resnetv2_50x1_bit, resnetv2_101x3_bit, ...);
 # this one is its CPU-sized sibling, built as timm builds those: the fixed-padding 7x7/2 stem and 3x3/2
 # max-pool, pre-activation bottlenecks, StdConv2d with eps 1e-8. Two stages of one block, 4x4 features at 32 px.
 TINY_RESNETS = {
-    "bit_tiny_cpu": dict(layers=(1, 1), channels=(64, 128), stem_chs=16, num_groups=8),
+    "bit_tiny_cpu": {"layers": (1, 1), "channels": (64, 128), "stem_chs": 16, "num_groups": 8},
 }
 
 # timm's modules whose every model is a VisionTransformer (or a subclass): a hybrid's is one too.
@@ -81,8 +87,10 @@ def check_model_name(name: str) -> None:
     pattern = f"*{name.split('_')[0]}*"
     close = sorted(n for n in timm_models() if fnmatch.fnmatchcase(n, pattern))[:8] if name else []
     tiny = ", ".join([*TINY_MODELS, *TINY_HYBRIDS, *TINY_RESNETS])
-    raise ConfigError(f"model.name: unknown model {name!r} (tiny ones: {tiny}"
-                      f"{'; timm has e.g. ' + ', '.join(close) if close else ''})")
+    raise ConfigError(
+        f"model.name: unknown model {name!r} (tiny ones: {tiny}"
+        f"{'; timm has e.g. ' + ', '.join(close) if close else ''})"
+    )
 
 
 def is_vit(name: str) -> bool:
@@ -100,11 +108,17 @@ def is_vit(name: str) -> bool:
 
 # Settings that only mean something for a ViT: (the value a ResNet needs, why).
 VIT_ONLY = {
-    "pre_logits": ("false", "the paper's pre-training head is sized by a ViT's embed_dim; a BiT ResNet's "
-                            "representation is its globally pooled features, with no layer between them and the "
-                            "classifier"),
-    "dropout": ("0", "it is the ViT paper's dropout after the position embeddings and dense layers, which a "
-                     "ResNet does not have (BiT trains without dropout)"),
+    "pre_logits": (
+        "false",
+        "the paper's pre-training head is sized by a ViT's embed_dim; a BiT ResNet's "
+        "representation is its globally pooled features, with no layer between them and the "
+        "classifier",
+    ),
+    "dropout": (
+        "0",
+        "it is the ViT paper's dropout after the position embeddings and dense layers, which a "
+        "ResNet does not have (BiT trains without dropout)",
+    ),
     "compile": ("false", "it compiles transformer blocks, which a ResNet does not have"),
 }
 

@@ -11,8 +11,8 @@ config settings it refuses. No other module compares objective names.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -41,15 +41,25 @@ def classification_counts(logits: torch.Tensor, labels: torch.Tensor) -> torch.T
     if not len(labels):
         return torch.zeros(4, dtype=torch.float64)
     top5 = logits.topk(min(5, logits.shape[1]), dim=1).indices
-    return torch.tensor([F.cross_entropy(logits, labels, reduction="sum").item(),
-                         (top5[:, 0] == labels).sum().item(),
-                         (top5 == labels[:, None]).any(dim=1).sum().item(), len(labels)], dtype=torch.float64)
+    return torch.tensor(
+        [
+            F.cross_entropy(logits, labels, reduction="sum").item(),
+            (top5[:, 0] == labels).sum().item(),
+            (top5 == labels[:, None]).any(dim=1).sum().item(),
+            len(labels),
+        ],
+        dtype=torch.float64,
+    )
 
 
 def classification_metrics(totals: torch.Tensor) -> dict:
     count = max(totals[3].item(), 1)
-    return {"eval_loss": totals[0].item() / count, "eval_top1": totals[1].item() / count,
-            "eval_top5": totals[2].item() / count, "eval_samples": int(totals[3].item())}
+    return {
+        "eval_loss": totals[0].item() / count,
+        "eval_top1": totals[1].item() / count,
+        "eval_top5": totals[2].item() / count,
+        "eval_samples": int(totals[3].item()),
+    }
 
 
 def classification_inputs(batch: dict, module: torch.nn.Module, epoch: int, seed: int) -> tuple[tuple, torch.Tensor]:
@@ -62,8 +72,10 @@ def masked_patch_inputs(batch: dict, module: torch.nn.Module, epoch: int, seed: 
     Class labels play no part: the data may have none."""
     images = batch["image"]
     grid = tuple(module.vit.patch_embed.grid_size)
-    action, source = (torch.from_numpy(a).to(images.device)
-                      for a in corruption(seed, epoch, batch["position"].numpy(), grid[0] * grid[1]))
+    action, source = (
+        torch.from_numpy(a).to(images.device)
+        for a in corruption(seed, epoch, batch["position"].numpy(), grid[0] * grid[1])
+    )
     mean, std = (torch.tensor(v, device=images.device).view(1, 3, 1, 1) for v in (IMAGENET_MEAN, IMAGENET_STD))
     targets = colour_targets(images.float() * std + mean, grid)
     skipped = ~batch["real"].to(images.device).view(-1, 1)
@@ -92,8 +104,9 @@ def classifier(make_vit: Callable[[int], torch.nn.Module], num_classes: int, pre
     return model
 
 
-def masked_patch_model(make_vit: Callable[[int], torch.nn.Module], num_classes: int,
-                       pre_logits: bool) -> torch.nn.Module:
+def masked_patch_model(
+    make_vit: Callable[[int], torch.nn.Module], num_classes: int, pre_logits: bool
+) -> torch.nn.Module:
     """The encoder (no class head) in a MaskedPatchModel; the config refuses pre_logits."""
     return MaskedPatchModel(make_vit(0))
 
@@ -104,8 +117,11 @@ def image_only(model: torch.nn.Module, image_size: int) -> list[torch.Tensor]:
 
 def image_and_plan(model: torch.nn.Module, image_size: int) -> list[torch.Tensor]:
     patches = math.prod(model.vit.patch_embed.grid_size)
-    return [*image_only(model, image_size), torch.zeros(1, patches, dtype=torch.long),
-            torch.zeros(1, patches, dtype=torch.long)]
+    return [
+        *image_only(model, image_size),
+        torch.zeros(1, patches, dtype=torch.long),
+        torch.zeros(1, patches, dtype=torch.long),
+    ]
 
 
 def whole_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -158,8 +174,12 @@ def per_patch(function: Callable) -> Callable:
 
 def masked_patch_metrics(totals: torch.Tensor) -> dict:
     count = max(totals[3].item(), 1)
-    return {"eval_loss": totals[0].item() / count, "eval_colour_top1": totals[1].item() / count,
-            "eval_colour_top5": totals[2].item() / count, "eval_patches": int(totals[3].item())}
+    return {
+        "eval_loss": totals[0].item() / count,
+        "eval_colour_top1": totals[1].item() / count,
+        "eval_colour_top5": totals[2].item() / count,
+        "eval_patches": int(totals[3].item()),
+    }
 
 
 @dataclass(frozen=True)
@@ -198,12 +218,31 @@ def get_objective(name: str) -> Objective:
     return find_objective(name)
 
 
-CLASSIFICATION = Objective("classification", classifier, image_only, classification_inputs, masked_loss,
-                           classification_counts, classification_metrics, whole_model, labelled=True,
-                           features=classifier_features)
-MASKED_PATCH_PREDICTION = Objective("masked_patch_prediction", masked_patch_model, image_and_plan,
-                                    masked_patch_inputs, per_patch(masked_loss), per_patch(classification_counts),
-                                    masked_patch_metrics, encoder, labelled=False, features=encoder_features,
-                                    check_config=refuse_classification_settings, vit_only=True)
+CLASSIFICATION = Objective(
+    "classification",
+    classifier,
+    image_only,
+    classification_inputs,
+    masked_loss,
+    classification_counts,
+    classification_metrics,
+    whole_model,
+    labelled=True,
+    features=classifier_features,
+)
+MASKED_PATCH_PREDICTION = Objective(
+    "masked_patch_prediction",
+    masked_patch_model,
+    image_and_plan,
+    masked_patch_inputs,
+    per_patch(masked_loss),
+    per_patch(classification_counts),
+    masked_patch_metrics,
+    encoder,
+    labelled=False,
+    features=encoder_features,
+    check_config=refuse_classification_settings,
+    vit_only=True,
+)
 # The built-ins take their names' places in the table as soon as this module is imported.
 OBJECTIVES.update({o.name: o for o in (CLASSIFICATION, MASKED_PATCH_PREDICTION)})

@@ -8,11 +8,15 @@ Cost: one entry per objective (a handful), in every process that validates a con
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from vitforge.core import registry
 
 from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from .objective import Objective
 
 # What a checkpoint saved before manifests named their objective was trained for.
 DEFAULT_OBJECTIVE = "classification"
@@ -25,13 +29,15 @@ def no_check(cfg) -> None:
 def refuse_classification_settings(cfg) -> None:
     mixing = [f"augment.{k}" for k in ("mixup", "cutmix", "label_smoothing") if getattr(cfg.augment, k)]
     if mixing or cfg.model.pre_logits:
-        raise ValueError(f"train.objective {cfg.train.objective} predicts patch colours: "
-                         f"{', '.join(mixing + ['model.pre_logits'] * cfg.model.pre_logits)} "
-                         "only apply to classification")
+        raise ValueError(
+            f"train.objective {cfg.train.objective} predicts patch colours: "
+            f"{', '.join(mixing + ['model.pre_logits'] * cfg.model.pre_logits)} "
+            "only apply to classification"
+        )
 
 
 # name -> the Objective (objective.py), or "module:attribute" naming a built-in one not imported yet
-OBJECTIVES: dict[str, object] = {
+OBJECTIVES: dict[str, Objective | str] = {
     "classification": "vitforge.trainer.objective:CLASSIFICATION",
     "masked_patch_prediction": "vitforge.trainer.objective:MASKED_PATCH_PREDICTION",
 }
@@ -41,7 +47,7 @@ _BUILTIN_CHECKS: dict[str, Callable[[object], None]] = {"masked_patch_prediction
 _BUILTIN_VIT_ONLY = {"masked_patch_prediction"}
 
 
-def find_objective(name: str) -> object:
+def find_objective(name: str) -> Objective:
     """The Objective registered as `name`, its module imported now; an unknown name is a ConfigError
     naming the known ones."""
     return registry.find(OBJECTIVES, name, unknown=lambda known: _unknown_objective(name))

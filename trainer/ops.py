@@ -40,7 +40,8 @@ def main(argv: list[str]) -> int:
     argparse.ArgumentParser(
         prog="vitforge build-ops",
         description="Build DeepSpeed's CPU collectives op into the installation's cache now, once, so that no "
-                    "train or eval start pays for it (about 35 s of 2 cores); `make setup` runs it.").parse_args(argv)
+        "train or eval start pays for it (about 35 s of 2 cores); `make setup` runs it.",
+    ).parse_args(argv)
     use_op_cache()
     start = time.monotonic()
     from deepspeed.comm.torch import build_shm_op

@@ -3,6 +3,7 @@ names no peer, and a job that requeues should say which host it lost."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -30,8 +31,15 @@ def connect_to_rendezvous(env: SchedulerEnv, timeout_s: float) -> dist.TCPStore:
 
     def connect() -> None:
         try:
-            outcome.append(dist.TCPStore(env.master_addr, env.master_port, is_master=False, wait_for_workers=False,
-                                         timeout=timedelta(seconds=timeout_s)))
+            outcome.append(
+                dist.TCPStore(
+                    env.master_addr,
+                    env.master_port,
+                    is_master=False,
+                    wait_for_workers=False,
+                    timeout=timedelta(seconds=timeout_s),
+                )
+            )
         except Exception as e:  # raised below, on the caller's thread
             outcome.append(e)
 
@@ -39,8 +47,9 @@ def connect_to_rendezvous(env: SchedulerEnv, timeout_s: float) -> dist.TCPStore:
     thread.start()
     thread.join(2 * timeout_s)
     if not outcome:
-        raise TimeoutError(f"rank 0's rendezvous store {env.master_addr}:{env.master_port} did not answer within "
-                           f"{2 * timeout_s:.0f} s")
+        raise TimeoutError(
+            f"rank 0's rendezvous store {env.master_addr}:{env.master_port} did not answer within {2 * timeout_s:.0f} s"
+        )
     if isinstance(outcome[0], Exception):
         raise outcome[0]
     return outcome[0]
@@ -76,8 +85,10 @@ class PeerWatch:
         self.nodes = -(-env.world_size // env.local_world_size)
         self.interval = min(5.0, timeout_s / 8)
         self.first = env.rank % env.local_world_size == 0
-        self.verdict_path = os.path.join(tempfile.gettempdir(), f"vitforge-peers-{env.master_addr}-{env.master_port}"
-                                                                 f"-restart{env.restart_count}-node{self.node}.json")
+        self.verdict_path = os.path.join(
+            tempfile.gettempdir(),
+            f"vitforge-peers-{env.master_addr}-{env.master_port}-restart{env.restart_count}-node{self.node}.json",
+        )
         self._stop = threading.Event()
         self._store = None
         if self.first:
@@ -133,10 +144,16 @@ class PeerWatch:
             after = self._counters(store)
         except Exception as e:  # the store lives in rank 0
             if self.node != 0 and _refused(self.env.master_addr, self.env.master_port):
-                return [f"node 0 (host {self.master_host}, {self.env.master_addr}:{self.env.master_port}, which "
-                        "holds rank 0 and the rendezvous store)"]
-            log.warning("rank 0's rendezvous store %s:%s did not answer in time (%s): cannot tell which node was lost",
-                        self.env.master_addr, self.env.master_port, e)
+                return [
+                    f"node 0 (host {self.master_host}, {self.env.master_addr}:{self.env.master_port}, which "
+                    "holds rank 0 and the rendezvous store)"
+                ]
+            log.warning(
+                "rank 0's rendezvous store %s:%s did not answer in time (%s): cannot tell which node was lost",
+                self.env.master_addr,
+                self.env.master_port,
+                e,
+            )
             return None
         stopped = [n for n in range(self.nodes) if n != self.node and before[n] == after[n] and after[n] < self.LEFT]
         return [f"node {n} (host {self._host(store, n)})" for n in stopped]
@@ -176,7 +193,5 @@ def _refused(host: str, port: int) -> bool:
 
 
 def _remove(path: str) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    except FileNotFoundError:
-        pass

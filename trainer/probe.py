@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 BIAS_FEATURE = 100.0
-L2_GRID = tuple(2.0 ** p for p in range(-6, 21, 2))  # log-spaced, 2^-6 ... 2^20
-DEFAULT_L2 = 2.0 ** 10
+L2_GRID = tuple(2.0**p for p in range(-6, 21, 2))  # log-spaced, 2^-6 ... 2^20
+DEFAULT_L2 = 2.0**10
 HELD_OUT_FRACTION = 0.2
 TEST_CHUNK = 8192
 KNN_CHUNK = 1024
@@ -46,6 +46,7 @@ class ProbeError(ValueError):
 class RidgeCache:
     """What one eigendecomposition leaves for solving at any regulariser: W(l) = lhs diag(1 / (eigs
     + l)) rhs; `mean`, `std` whiten new rows as the training rows were."""
+
     eigs: torch.Tensor  # (m,)
     lhs: torch.Tensor  # (d + 1, m)
     rhs: torch.Tensor  # (m, K)
@@ -95,9 +96,9 @@ def top1(cache: RidgeCache, weights: torch.Tensor, features: torch.Tensor, label
         raise ProbeError("no rows to score")
     hits = 0
     for start in range(0, len(labels), TEST_CHUNK):
-        chunk = features[start:start + TEST_CHUNK]
+        chunk = features[start : start + TEST_CHUNK]
         predicted = cache.scores(chunk, weights).argmax(1)
-        hits += int((predicted.cpu() == labels[start:start + TEST_CHUNK].cpu()).sum())
+        hits += int((predicted.cpu() == labels[start : start + TEST_CHUNK].cpu()).sum())
     return hits / len(labels)
 
 
@@ -108,12 +109,13 @@ def held_out_rows(labels: np.ndarray, fraction: float = HELD_OUT_FRACTION) -> np
     for cls in np.unique(labels):
         rows = np.flatnonzero(labels == cls)
         if len(rows) >= 2:
-            mask[rows[len(rows) - min(len(rows) - 1, math.ceil(fraction * len(rows))):]] = True
+            mask[rows[len(rows) - min(len(rows) - 1, math.ceil(fraction * len(rows))) :]] = True
     return mask
 
 
-def choose_l2(features: torch.Tensor, labels: torch.Tensor, num_classes: int,
-              grid: tuple[float, ...] = L2_GRID) -> tuple[float, dict[float, float]]:
+def choose_l2(
+    features: torch.Tensor, labels: torch.Tensor, num_classes: int, grid: tuple[float, ...] = L2_GRID
+) -> tuple[float, dict[float, float]]:
     """The grid's regulariser with the best accuracy on the held-out rows when fitted on the rest
     (ties: the larger), and every one's accuracy; DEFAULT_L2 when no class has two rows."""
     held = torch.from_numpy(held_out_rows(labels.cpu().numpy()))
@@ -131,8 +133,14 @@ class ProbeResult:
     train_rows: int
 
 
-def linear_probe(train_x: torch.Tensor, train_y: torch.Tensor, test_x: torch.Tensor, test_y: torch.Tensor,
-                 num_classes: int, grid: tuple[float, ...] = L2_GRID) -> ProbeResult:
+def linear_probe(
+    train_x: torch.Tensor,
+    train_y: torch.Tensor,
+    test_x: torch.Tensor,
+    test_y: torch.Tensor,
+    num_classes: int,
+    grid: tuple[float, ...] = L2_GRID,
+) -> ProbeResult:
     """Top-1 on the test rows of the ridge probe fitted on every training row, its regulariser
     chosen on a held-out part of them (few-shot and all-data probes alike)."""
     if not len(train_y):
@@ -142,8 +150,15 @@ def linear_probe(train_x: torch.Tensor, train_y: torch.Tensor, test_x: torch.Ten
     return ProbeResult(top1(cache, cache.weights(l2), test_x, test_y), l2, len(train_y))
 
 
-def choose_shots(labels: np.ndarray, keys: np.ndarray, shots: int, seed: int, num_classes: int,
-                 allow_fewer: bool = False, class_names: list[str] | None = None) -> np.ndarray:
+def choose_shots(
+    labels: np.ndarray,
+    keys: np.ndarray,
+    shots: int,
+    seed: int,
+    num_classes: int,
+    allow_fewer: bool = False,
+    class_names: list[str] | None = None,
+) -> np.ndarray:
     """Row numbers of `shots` rows per class: the rows whose hash of (sample key, seed) is smallest
     in their class. A smaller k is a prefix of a larger one's (as big_vision draws them), and the
     draw depends on each sample's key alone: rows that are missing at one evaluation (a sample
@@ -159,10 +174,13 @@ def choose_shots(labels: np.ndarray, keys: np.ndarray, shots: int, seed: int, nu
     if short and not allow_fewer:
         named = ", ".join(f"{class_names[c] if class_names else c} ({n})" for c, n in short[:10])
         more = f" and {len(short) - 10} more" if len(short) > 10 else ""
-        raise ProbeError(f"{len(short)} class(es) have fewer than {shots} images to draw shots from: {named}{more} "
-                         "(set eval.allow_fewer to use what they have)")
-    return np.concatenate([order[start:start + min(shots, n)] for start, n in zip(starts, counts)]
-                          or [np.empty(0, np.int64)])
+        raise ProbeError(
+            f"{len(short)} class(es) have fewer than {shots} images to draw shots from: {named}{more} "
+            "(set eval.allow_fewer to use what they have)"
+        )
+    return np.concatenate(
+        [order[start : start + min(shots, n)] for start, n in zip(starts, counts)] or [np.empty(0, np.int64)]
+    )
 
 
 def key_rank(keys: np.ndarray, seed: int) -> np.ndarray:
@@ -174,8 +192,14 @@ def key_rank(keys: np.ndarray, seed: int) -> np.ndarray:
         return z ^ (z >> np.uint64(31))
 
 
-def knn_top1(train_x: torch.Tensor, train_y: torch.Tensor, test_x: torch.Tensor, test_y: torch.Tensor,
-             num_classes: int, k: int = 20) -> float:
+def knn_top1(
+    train_x: torch.Tensor,
+    train_y: torch.Tensor,
+    test_x: torch.Tensor,
+    test_y: torch.Tensor,
+    num_classes: int,
+    k: int = 20,
+) -> float:
     """Top-1 of a k-nearest-neighbour vote by cosine similarity, as DINO's evaluator weighs it: each
     of a test row's k most similar training rows votes for its class with exp(similarity / KNN_T)."""
     if not len(train_y) or not len(test_y):
@@ -185,9 +209,9 @@ def knn_top1(train_x: torch.Tensor, train_y: torch.Tensor, test_x: torch.Tensor,
     labels = train_y.to(train.device).long()
     hits = 0
     for start in range(0, len(test_y), KNN_CHUNK):
-        test = torch.nn.functional.normalize(test_x[start:start + KNN_CHUNK].float().to(train.device), dim=1)
+        test = torch.nn.functional.normalize(test_x[start : start + KNN_CHUNK].float().to(train.device), dim=1)
         similarity, nearest = (test @ train.T).topk(k, dim=1)
         votes = torch.zeros(len(test), num_classes, device=train.device)
         votes.scatter_add_(1, labels[nearest], (similarity / KNN_T).exp())
-        hits += int((votes.argmax(1).cpu() == test_y[start:start + KNN_CHUNK].cpu()).sum())
+        hits += int((votes.argmax(1).cpu() == test_y[start : start + KNN_CHUNK].cpu()).sum())
     return hits / len(test_y)

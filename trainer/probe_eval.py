@@ -20,19 +20,20 @@ few-shot; kNN and the all-data probe grow with the train split: rows x test rows
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from vitforge.pipeline import IGNORE_LABEL
+from vitforge.pipeline import IGNORE_LABEL, Loader
 
-from .config import ConfigError, EvalConfig
+from .config import ConfigError
 from .distributed import agree
 from .objective import Objective
+from .output_config import EvalConfig
 from .probe import ProbeError, choose_shots, knn_top1, linear_probe
 
 GATHER_BYTES = 64 << 20
@@ -42,14 +43,15 @@ META = 3  # label, key hash, real: int64 columns beside each row's features
 @dataclass
 class ProbeSet:
     """One probe dataset's two eval loaders and its classes."""
+
     name: str
-    train: object  # pipeline Loader
-    test: object
+    train: Loader
+    test: Loader
     num_classes: int
     classes: list[str] | None
 
 
-def build_probes(cfg: EvalConfig, make_loader: Callable[[str], object]) -> list[ProbeSet]:
+def build_probes(cfg: EvalConfig, make_loader: Callable[[str], Loader]) -> list[ProbeSet]:
     """Eval loaders for every probe dataset; each split must be labelled, with the same classes."""
     probes = []
     for name, data in cfg.probes.items():
@@ -62,24 +64,35 @@ def build_probes(cfg: EvalConfig, make_loader: Callable[[str], object]) -> list[
                 raise ConfigError(f"{where} ({getattr(data, split)}): {e}") from e
             index = loaders[split].index
             if index is None or not index.labelled or not index.num_classes:
-                raise ConfigError(f"{where} ({getattr(data, split)}): a probe needs labelled shards with a "
-                                  "dataset.json (from `vitforge shard`) that gives the class count")
+                raise ConfigError(
+                    f"{where} ({getattr(data, split)}): a probe needs labelled shards with a "
+                    "dataset.json (from `vitforge shard`) that gives the class count"
+                )
         train, test = loaders["train"].index, loaders["test"].index
         if train.num_classes != test.num_classes:
-            raise ConfigError(f"eval.probes.{name}: the train split has {train.num_classes} classes, the test split "
-                              f"{test.num_classes}")
+            raise ConfigError(
+                f"eval.probes.{name}: the train split has {train.num_classes} classes, the test split "
+                f"{test.num_classes}"
+            )
         differ = [i for i, (a, b) in enumerate(zip(train.classes or [], test.classes or [])) if a != b]
         if differ:
             first = differ[0]
-            raise ConfigError(f"eval.probes.{name}: class {first} is {train.classes[first]!r} in the train split and "
-                              f"{test.classes[first]!r} in the test split")
+            raise ConfigError(
+                f"eval.probes.{name}: class {first} is {train.classes[first]!r} in the train split and "
+                f"{test.classes[first]!r} in the test split"
+            )
         if cfg.fewshot and not cfg.allow_fewer and train.class_counts:  # known now: refuse before training
-            short = [(train.classes[c] if train.classes else c, n) for c, n in enumerate(train.class_counts)
-                     if n < max(cfg.fewshot)]
+            short = [
+                (train.classes[c] if train.classes else c, n)
+                for c, n in enumerate(train.class_counts)
+                if n < max(cfg.fewshot)
+            ]
             if short:
-                raise ConfigError(f"eval.probes.{name}.train: {len(short)} class(es) have fewer than "
-                                  f"{max(cfg.fewshot)} images for eval.fewshot: "
-                                  f"{', '.join(f'{c} ({n})' for c, n in short[:10])} (or set eval.allow_fewer)")
+                raise ConfigError(
+                    f"eval.probes.{name}.train: {len(short)} class(es) have fewer than "
+                    f"{max(cfg.fewshot)} images for eval.fewshot: "
+                    f"{', '.join(f'{c} ({n})' for c, n in short[:10])} (or set eval.allow_fewer)"
+                )
         probes.append(ProbeSet(name, loaders["train"], loaders["test"], train.num_classes, train.classes))
     return probes
 
@@ -89,8 +102,9 @@ def key_hash(key: str) -> int:
 
 
 @torch.no_grad()
-def split_features(model: torch.nn.Module, loader, objective: Objective, params: dict | None,
-                   keys: dict[int, str] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def split_features(
+    model: torch.nn.Module, loader, objective: Objective, params: dict | None, keys: dict[int, str] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's (rows, width) float32 features and (rows, META) int64 label, key hash and
     realness (padding and replaced samples are not real). `keys`, when given, gets each row's key
     by its hash (rows / world entries of some 40 bytes), to name the shots."""
@@ -123,8 +137,10 @@ def gather_rows(features: torch.Tensor, meta: torch.Tensor) -> tuple[np.ndarray,
         hashes = meta_all[real, 1]
         order = np.argsort(hashes, kind="stable")
         if len(order) > 1 and (np.diff(hashes[order]) == 0).any():
-            raise ProbeError("two samples share a key (same shard file name and sample name): the probe cannot "
-                             "order its rows the same way at every world size; shard them with distinct names")
+            raise ProbeError(
+                "two samples share a key (same shard file name and sample name): the probe cannot "
+                "order its rows the same way at every world size; shard them with distinct names"
+            )
         place = np.full(len(meta_all), -1)
         place[real[order]] = np.arange(len(order))
         out = np.empty((len(order), width), np.float32)
@@ -145,21 +161,23 @@ def _pieces(tensor: torch.Tensor, rows: int):
     rows, ...) numpy array; on the others, None per piece (every rank iterates alike)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     for start in range(0, len(tensor), rows):
-        part = tensor[start:start + rows].contiguous()
+        part = tensor[start : start + rows].contiguous()
         into = [torch.empty_like(part) for _ in range(world)] if rank == 0 else None
         dist.gather(part, into, dst=0)
         yield np.stack([t.cpu().numpy() for t in into]) if rank == 0 else None
 
 
-def probe_metrics(probe: ProbeSet, train: tuple[np.ndarray, ...], test: tuple[np.ndarray, ...],
-                  cfg: EvalConfig, device: torch.device) -> tuple[dict, dict[int, np.ndarray]]:
+def probe_metrics(
+    probe: ProbeSet, train: tuple[np.ndarray, ...], test: tuple[np.ndarray, ...], cfg: EvalConfig, device: torch.device
+) -> tuple[dict, dict[int, np.ndarray]]:
     """Every configured evaluator on one probe dataset's gathered features (rank 0), on `device`
     (the GPU's, when there is one), and each k's shots (their key hashes). Beside each few-shot
     top-1: the regulariser chosen, and a fingerprint of the shots' keys, so that a run's metrics
     show the same shots at every evaluation."""
     train_x, train_y = (torch.from_numpy(a).to(device) for a in train[:2])
     test_x, test_y = (torch.from_numpy(a).to(device) for a in test[:2])
-    out, shot_keys = {}, {}
+    out: dict[str, float | str] = {}
+    shot_keys: dict[int, np.ndarray] = {}
     for shots in cfg.fewshot:
         chosen = choose_shots(train[1], train[2], shots, cfg.seed, probe.num_classes, cfg.allow_fewer, probe.classes)
         rows = torch.from_numpy(chosen).to(device)
@@ -184,7 +202,7 @@ def name_shots(shot_keys: dict[int, np.ndarray], keys: dict[int, str]) -> dict[s
     """Rank 0: each k's shots by sample key ("SHARD.tar:NAME"), from the ranks that read them; None elsewhere."""
     wanted = {int(h) for hashes in shot_keys.values() for h in hashes}
     mine = {h: keys[h] for h in wanted & keys.keys()}
-    found = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    found: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(mine, found, dst=0)
     if found is None:
         return None
@@ -192,9 +210,15 @@ def name_shots(shot_keys: dict[int, np.ndarray], keys: dict[int, str]) -> dict[s
     return {f"{shots}shot": sorted(named[int(h)] for h in hashes) for shots, hashes in shot_keys.items()}
 
 
-def run_probes(model: torch.nn.Module, probes: list[ProbeSet], objective: Objective, cfg: EvalConfig,
-               device: torch.device, params: dict | None = None,
-               record: Callable[[dict], None] | None = None) -> dict:
+def run_probes(
+    model: torch.nn.Module,
+    probes: list[ProbeSet],
+    objective: Objective,
+    cfg: EvalConfig,
+    device: torch.device,
+    params: dict | None = None,
+    record: Callable[[dict], None] | None = None,
+) -> dict:
     """Every probe's metrics, on every rank (a probe's error, e.g. too few images of a class for the
     shots, is raised on every rank). All ranks must call it: the features' forward passes and the
     gather are collective. `record`: given (on rank 0) each probe's shots by sample key,

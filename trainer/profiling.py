@@ -67,8 +67,9 @@ class ProfileWindow:
         self.scratch = tempfile.TemporaryDirectory(prefix="vitforge-profile-")
         handler = torch.profiler.tensorboard_trace_handler(self.scratch.name, worker_name=f"rank{self.rank}")
         # A schedule of RECORD only: step() marks steps without exporting; stop() exports once.
-        self.profiler = torch.profiler.profile(activities=activities, on_trace_ready=handler,
-                                               schedule=lambda _: torch.profiler.ProfilerAction.RECORD)
+        self.profiler = torch.profiler.profile(
+            activities=activities, on_trace_ready=handler, schedule=lambda _: torch.profiler.ProfilerAction.RECORD
+        )
         self.profiler.step_num = first  # the first range is ProfilerStep#first
         if cuda:
             torch.cuda.memory._record_memory_history(max_entries=SNAPSHOT_ENTRIES)
@@ -93,15 +94,19 @@ class ProfileWindow:
             log.info("profile of steps %d-%d written to %s", self.first, self.last, self.store.url(self.folder))
 
 
-def profile_window(steps: tuple[int, int] | None, end: int, rank: int, device: torch.device,
-                   store) -> ProfileWindow | None:
+def profile_window(
+    steps: tuple[int, int] | None, end: int, rank: int, device: torch.device, store
+) -> ProfileWindow | None:
     """The window of `train.profile_steps`, its last step capped at this invocation's `end`; None when off."""
     if steps is None:
         return None
     first, last = steps
     if first > end:
         if rank == 0:
-            log.warning("train.profile_steps %s starts after this invocation's last step %d: nothing is profiled",
-                        list(steps), end)
+            log.warning(
+                "train.profile_steps %s starts after this invocation's last step %d: nothing is profiled",
+                list(steps),
+                end,
+            )
         return None
     return ProfileWindow(first, min(last, end), rank, device, store)

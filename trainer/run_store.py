@@ -20,16 +20,18 @@ Layout of DIR/RUN (a local folder, file:// or s3://):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
 import tempfile
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, TypeVar
+from typing import TypeVar
 
-from vitforge.core import CheckpointError, open_store, sha256_file
+from vitforge.core import CheckpointError, Store, open_store, sha256_file
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -84,7 +86,7 @@ def split_checkpoint_url(url: str) -> tuple[str, str | None]:
 @dataclass
 class RunStore:
     url: str  # DIR/RUN
-    store: object = field(init=False, repr=False)
+    store: Store = field(init=False, repr=False)
 
     def __post_init__(self):
         self.url = self.url.rstrip("/")
@@ -107,8 +109,11 @@ class RunStore:
         """Tags with a manifest that the lease lists as published, oldest first (a run whose lease
         predates the list: every tag with a manifest). A step folder without both does not exist."""
         published = self.published()
-        return [tag for tag, files in self.step_folders().items()
-                if MANIFEST in files and (published is None or tag in published)]
+        return [
+            tag
+            for tag, files in self.step_folders().items()
+            if MANIFEST in files and (published is None or tag in published)
+        ]
 
     def lease_record(self) -> dict:
         try:
@@ -148,22 +153,30 @@ class RunStore:
         if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict) or "step" not in manifest:
             raise CheckpointError(f"{url}: not a vitforge checkpoint manifest")
         if manifest["step"] != step_of(tag):
-            raise CheckpointError(f"{url}: says step {manifest['step']!r}, but its folder is {tag}: not this "
-                                  "folder's checkpoint (copied or edited)")
+            raise CheckpointError(
+                f"{url}: says step {manifest['step']!r}, but its folder is {tag}: not this "
+                "folder's checkpoint (copied or edited)"
+            )
         record = self.lease_record()
         published = published_tags(record)
         if published is not None and tag not in published:
-            raise CheckpointError(f"{self.object_url(tag)}: never published by the run's holder (its manifest was "
-                                  "written by a copy that no longer held the run, or its commit was cut off): not "
-                                  "part of the run")
+            raise CheckpointError(
+                f"{self.object_url(tag)}: never published by the run's holder (its manifest was "
+                "written by a copy that no longer held the run, or its commit was cut off): not "
+                "part of the run"
+            )
         if published is not None and published[tag] is not None and manifest.get("epoch") != published[tag]:
-            raise CheckpointError(f"{url}: written by the run's holder of epoch {manifest.get('epoch')!r}, but the "
-                                  f"holder of epoch {published[tag]} published this step: a stale copy's manifest "
-                                  "landed over the published one")
+            raise CheckpointError(
+                f"{url}: written by the run's holder of epoch {manifest.get('epoch')!r}, but the "
+                f"holder of epoch {published[tag]} published this step: a stale copy's manifest "
+                "landed over the published one"
+            )
         theirs, mine = manifest.get("run_id"), record.get("run_id")
         if theirs and mine and theirs != mine:
-            raise CheckpointError(f"{url}: belongs to run {theirs} (checkpoint.run {_run_name(manifest)}), not to "
-                                  f"this run, {mine} (its lease {self.object_url(LEASE)}): copied from another run")
+            raise CheckpointError(
+                f"{url}: belongs to run {theirs} (checkpoint.run {_run_name(manifest)}), not to "
+                f"this run, {mine} (its lease {self.object_url(LEASE)}): copied from another run"
+            )
         return manifest
 
     def results(self) -> dict:
@@ -178,9 +191,13 @@ class RunStore:
         except FileNotFoundError:
             lines = []
         evals = [line for line in lines if any(key.startswith("eval_") for key in line)]
-        return {"step": manifest["step"], "train_samples": manifest.get("train_samples"),
-                "num_classes": manifest.get("num_classes"), "config": manifest.get("config", {}),
-                **(evals[-1] if evals else {})}
+        return {
+            "step": manifest["step"],
+            "train_samples": manifest.get("train_samples"),
+            "num_classes": manifest.get("num_classes"),
+            "config": manifest.get("config", {}),
+            **(evals[-1] if evals else {}),
+        }
 
     def candidates(self, resume: str | int) -> list[str]:
         """Tags to try, best first: for "auto" every complete one, newest first; else just the one asked for."""
@@ -193,8 +210,7 @@ class RunStore:
             raise CheckpointError(f"{resume}: names no step_NNNNNNNN checkpoint")
         return [tag]
 
-    def first_usable(self, candidates: list[str], attempt: Callable[[str], T], explicit: bool,
-                     advice: str = "") -> T:
+    def first_usable(self, candidates: list[str], attempt: Callable[[str], T], explicit: bool, advice: str = "") -> T:
         """`attempt(tag)` on each candidate, best first, until one succeeds. A CheckpointError
         (unreadable manifest, missing or corrupt file, weights that do not load) passes over that
         checkpoint with a warning saying why, unless it was asked for by name (`explicit`): then
@@ -206,10 +222,15 @@ class RunStore:
                 if explicit:
                     raise
                 later = candidates[n + 1] if n + 1 < len(candidates) else None
-                log.warning("checkpoint %s is unusable: %s; %s", self.object_url(tag), e,
-                            f"falling back to {later}" if later else "no older complete checkpoint")
-        raise CheckpointError(f"{self.url}: no usable checkpoint among {', '.join(candidates)} "
-                              f"(see the warnings above){advice}")
+                log.warning(
+                    "checkpoint %s is unusable: %s; %s",
+                    self.object_url(tag),
+                    e,
+                    f"falling back to {later}" if later else "no older complete checkpoint",
+                )
+        raise CheckpointError(
+            f"{self.url}: no usable checkpoint among {', '.join(candidates)} (see the warnings above){advice}"
+        )
 
     # -- checking and fetching ---------------------------------------------------------------
     def listed_problems(self, tag: str, manifest: dict, present: dict[str, int]) -> list[str]:
@@ -220,8 +241,9 @@ class RunStore:
             if name not in present:
                 problems.append(f"{self.object_url(f'{tag}/{name}')}: missing")
             elif present[name] != meta["bytes"]:
-                problems.append(f"{self.object_url(f'{tag}/{name}')}: {present[name]} bytes, the manifest says "
-                                f"{meta['bytes']}")
+                problems.append(
+                    f"{self.object_url(f'{tag}/{name}')}: {present[name]} bytes, the manifest says {meta['bytes']}"
+                )
         return problems
 
     def fetch(self, tag: str, names: list[str], manifest: dict, folder: str, threads: int = 2) -> str:
@@ -249,11 +271,11 @@ class RunStore:
                 digest = None
             size = os.path.getsize(path)
             if size != files[name]["bytes"]:
-                raise CheckpointError(f"{self.object_url(f'{tag}/{name}')}: {size} bytes, the manifest says "
-                                      f"{files[name]['bytes']}")
+                raise CheckpointError(
+                    f"{self.object_url(f'{tag}/{name}')}: {size} bytes, the manifest says {files[name]['bytes']}"
+                )
             if (digest or sha256_file(path)) != files[name]["sha256"]:
-                raise CheckpointError(f"{self.object_url(f'{tag}/{name}')}: sha256 differs from the manifest "
-                                      "(corrupt)")
+                raise CheckpointError(f"{self.object_url(f'{tag}/{name}')}: sha256 differs from the manifest (corrupt)")
 
         with ThreadPoolExecutor(threads) as pool:
             for future in [pool.submit(one, n) for n in sorted(names)]:
@@ -274,6 +296,7 @@ class RunStore:
         problems = self.listed_problems(tag, listing, present)
         checkable = [n for n in listing["files"] if present.get(n) == listing["files"][n]["bytes"]]
         with tempfile.TemporaryDirectory(prefix="vitforge-verify-") as scratch:
+
             def check(name: str) -> str | None:
                 try:
                     self.fetch(tag, [name], listing, scratch)
@@ -349,7 +372,7 @@ class RunStore:
         self.store.put_bytes(name, data)
 
     def receipts(self, tag: str) -> dict[int, dict]:
-        names = [n for n in self.store.walk(f"{tag}/{RECEIPTS}")]
+        names = list(self.store.walk(f"{tag}/{RECEIPTS}"))
         found = {}
         for name in names:
             match = re.search(r"rank(\d+)\.json$", name)
@@ -395,7 +418,5 @@ def _run_name(manifest: dict) -> str:
 
 
 def _remove(path: str) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    except FileNotFoundError:
-        pass

@@ -38,6 +38,7 @@ class StateParts:
     another world size every rank reads rank 0's (RankBound parts restart instead). `shared`: the
     same on every rank, saved by rank 0 alone (the EMA weights, 4 bytes per parameter); a shared
     part absent from a checkpoint keeps its fresh state (an EMA turned on at a resume)."""
+
     per_rank: dict[str, Stateful] = field(default_factory=dict)
     shared: dict[str, Stateful] = field(default_factory=dict)
 
@@ -46,8 +47,12 @@ class RandomState:
     """The host's random generators: Python's, NumPy's global, torch's CPU and CUDA ones."""
 
     def state_dict(self) -> dict:
-        return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+        return {
+            "torch": torch.get_rng_state(),
+            "numpy": np.random.get_state(),
+            "python": random.getstate(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         torch.set_rng_state(state["torch"])

@@ -71,14 +71,23 @@ class ForwardTimer:
 
     def take(self) -> float:
         """Call after the step's stream has been synchronised (its events are then complete)."""
-        seconds = self.seconds + sum(start.elapsed_time(end) for start, end in self.events[:self.used]) / 1000
+        seconds = self.seconds + sum(start.elapsed_time(end) for start, end in self.events[: self.used]) / 1000
         self.seconds, self.used = 0.0, 0
         return seconds
 
 
 class StragglerWatch:
-    def __init__(self, every: int, threshold: float, rank: int, world_size: int, device: torch.device,
-                 module: torch.nn.Module, loader, folder: str):
+    def __init__(
+        self,
+        every: int,
+        threshold: float,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        module: torch.nn.Module,
+        loader,
+        folder: str,
+    ):
         """Collective (gathers the host names to rank 0). `loader`: the train loader, whose
         `wait_seconds` counts this rank's data wait; `folder`: where rank 0 writes the table."""
         self.every, self.threshold = every, threshold
@@ -134,12 +143,20 @@ class StragglerWatch:
             if seconds > median * (1 + self.threshold):
                 self.flagged[r] += 1
                 wait = windows[r, WAIT_SUM].item() / steps[r].item()
-                log.warning("step %d: rank %d on %s is a straggler: %.3f s of its own per step, median %.3f s "
-                            "(+%.0f%%): data wait %.3f s%s, forward %.3f s; the job's step time %.3f s", step, r,
-                            self.hosts[r], seconds, median, 100 * (seconds / median - 1) if median else 0.0, wait,
-                            " (input-bound)" if wait > seconds / 2 else "",
-                            windows[r, FORWARD_SUM].item() / steps[r].item(),
-                            windows[r, STEP_SUM].item() / steps[r].item())
+                log.warning(
+                    "step %d: rank %d on %s is a straggler: %.3f s of its own per step, median %.3f s "
+                    "(+%.0f%%): data wait %.3f s%s, forward %.3f s; the job's step time %.3f s",
+                    step,
+                    r,
+                    self.hosts[r],
+                    seconds,
+                    median,
+                    100 * (seconds / median - 1) if median else 0.0,
+                    wait,
+                    " (input-bound)" if wait > seconds / 2 else "",
+                    windows[r, FORWARD_SUM].item() / steps[r].item(),
+                    windows[r, STEP_SUM].item() / steps[r].item(),
+                )
         totals = self.totals
         totals[:, [STEPS, STEP_SUM, WAIT_SUM, FORWARD_SUM]] += windows[:, [STEPS, STEP_SUM, WAIT_SUM, FORWARD_SUM]]
         totals[:, STEP_MAX] = torch.maximum(totals[:, STEP_MAX], windows[:, STEP_MAX])
@@ -148,36 +165,61 @@ class StragglerWatch:
     def report(self, step: int) -> dict:
         """Rank 0: the running totals by rank and by host."""
         totals, steps = self.totals, self.totals[:, STEPS].clamp(min=1)
-        ranks = [{"rank": r, "host": self.hosts[r], "steps": int(totals[r, STEPS]),
-                  "mean_step_s": totals[r, STEP_SUM].item() / steps[r].item(), "max_step_s": totals[r, STEP_MAX].item(),
-                  "mean_own_s": (totals[r, WAIT_SUM] + totals[r, FORWARD_SUM]).item() / steps[r].item(),
-                  "mean_data_wait_s": totals[r, WAIT_SUM].item() / steps[r].item(), "flagged": self.flagged[r]}
-                 for r in range(self.world_size)]
+        ranks = [
+            {
+                "rank": r,
+                "host": self.hosts[r],
+                "steps": int(totals[r, STEPS]),
+                "mean_step_s": totals[r, STEP_SUM].item() / steps[r].item(),
+                "max_step_s": totals[r, STEP_MAX].item(),
+                "mean_own_s": (totals[r, WAIT_SUM] + totals[r, FORWARD_SUM]).item() / steps[r].item(),
+                "mean_data_wait_s": totals[r, WAIT_SUM].item() / steps[r].item(),
+                "flagged": self.flagged[r],
+            }
+            for r in range(self.world_size)
+        ]
         by_host: dict[str, list[dict]] = {}
         for row in ranks:
             by_host.setdefault(row["host"], []).append(row)
-        hosts = [{"host": host, "ranks": _ranges([row["rank"] for row in rows]),
-                  "mean_step_s": statistics.fmean(row["mean_step_s"] for row in rows),
-                  "max_step_s": max(row["max_step_s"] for row in rows),
-                  "mean_own_s": statistics.fmean(row["mean_own_s"] for row in rows),
-                  "mean_data_wait_s": statistics.fmean(row["mean_data_wait_s"] for row in rows),
-                  "flagged": sum(row["flagged"] for row in rows)} for host, rows in by_host.items()]
-        return {"steps": [self.first_step, step], "every": self.every, "threshold": self.threshold,
-                "exchanges": self.exchanges, "hosts": hosts, "ranks": ranks}
+        hosts = [
+            {
+                "host": host,
+                "ranks": _ranges([row["rank"] for row in rows]),
+                "mean_step_s": statistics.fmean(row["mean_step_s"] for row in rows),
+                "max_step_s": max(row["max_step_s"] for row in rows),
+                "mean_own_s": statistics.fmean(row["mean_own_s"] for row in rows),
+                "mean_data_wait_s": statistics.fmean(row["mean_data_wait_s"] for row in rows),
+                "flagged": sum(row["flagged"] for row in rows),
+            }
+            for host, rows in by_host.items()
+        ]
+        return {
+            "steps": [self.first_step, step],
+            "every": self.every,
+            "threshold": self.threshold,
+            "exchanges": self.exchanges,
+            "hosts": hosts,
+            "ranks": ranks,
+        }
 
     def write(self, step: int) -> None:
         report = self.report(step)
-        lines = [f"# Step timing by host, steps {report['steps'][0]}-{step}",
-                 "",
-                 f"{self.exchanges} exchanges, every {self.every} steps. Own time: a rank's data wait plus its "
-                 "forward pass per step, the work it does before the step's collectives; flagged: a rank's own "
-                 f"time over the median's by more than {self.threshold:.0%} at an exchange. The step time is the "
-                 "job's (every rank waits for the slowest); its max includes evaluations and checkpoints.",
-                 "",
-                 "| host | ranks | mean step s | max step s | mean own s | mean data wait s | times flagged |",
-                 "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
-        lines += [f"| {h['host']} | {h['ranks']} | {h['mean_step_s']:.4f} | {h['max_step_s']:.4f} | "
-                  f"{h['mean_own_s']:.4f} | {h['mean_data_wait_s']:.4f} | {h['flagged']} |" for h in report["hosts"]]
+        lines = [
+            f"# Step timing by host, steps {report['steps'][0]}-{step}",
+            "",
+            f"{self.exchanges} exchanges, every {self.every} steps. Own time: a rank's data wait plus its "
+            "forward pass per step, the work it does before the step's collectives; flagged: a rank's own "
+            f"time over the median's by more than {self.threshold:.0%} at an exchange. The step time is the "
+            "job's (every rank waits for the slowest); its max includes evaluations and checkpoints.",
+            "",
+            "| host | ranks | mean step s | max step s | mean own s | mean data wait s | times flagged |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        lines += [
+            f"| {h['host']} | {h['ranks']} | {h['mean_step_s']:.4f} | {h['max_step_s']:.4f} | "
+            f"{h['mean_own_s']:.4f} | {h['mean_data_wait_s']:.4f} | {h['flagged']} |"
+            for h in report["hosts"]
+        ]
         os.makedirs(self.folder, exist_ok=True)
         for name, text in ((TIMING_MD, "\n".join(lines) + "\n"), (TIMING_JSON, json.dumps(report, indent=1))):
             path = os.path.join(self.folder, name)

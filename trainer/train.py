@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -75,6 +76,7 @@ class TrainState:
 
 class StepAgreement(NamedTuple):
     """What every rank agrees on after a step (one all-reduce)."""
+
     stop_reason: str | None  # why the run stops now (a signal, the time budget), or None
     nonfinite: bool  # the loss or gradient norm is not finite on some rank
     timed_checkpoint: bool  # train.checkpoint_every_minutes has passed on rank 0's clock
@@ -83,6 +85,7 @@ class StepAgreement(NamedTuple):
 @dataclass
 class Window:
     """What the log line reports: sums since the last log step."""
+
     loss: torch.Tensor
     micro: int = 0
     steps: int = 0
@@ -90,8 +93,14 @@ class Window:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, loader, objective: Objective, device: torch.device, params: dict | None = None,
-             seed: int = 0) -> dict:
+def evaluate(
+    model: torch.nn.Module,
+    loader,
+    objective: Objective,
+    device: torch.device,
+    params: dict | None = None,
+    seed: int = 0,
+) -> dict:
     """The objective's metrics over the whole eval set, summed across ranks; padding is ignored."""
     was_training = model.training
     model.eval()
@@ -106,10 +115,40 @@ def evaluate(model: torch.nn.Module, loader, objective: Objective, device: torch
     return objective.eval_metrics(totals)
 
 
+def _straggler_watch(cfg: Config, env, device, engine, train_loader, metrics: MetricsLog) -> StragglerWatch | None:
+    """The exchange of step and data-wait times every train.straggler_every steps; None when off."""
+    every = cfg.train.straggler_every
+    if not every:
+        return None
+    return StragglerWatch(
+        every,
+        cfg.train.straggler_threshold,
+        env.rank,
+        env.world_size,
+        device,
+        engine.module,
+        train_loader,
+        metrics.folder,
+    )
+
+
 class Trainer:
-    def __init__(self, cfg: Config, env, device, engine, train_loader, val_loader, objective: Objective,
-                 checkpointer: Checkpointer, metrics: MetricsLog, ema: EMA | None, manifest_extra: dict,
-                 stop: StopRequest, probes: list[ProbeSet] = ()):
+    def __init__(
+        self,
+        cfg: Config,
+        env,
+        device,
+        engine,
+        train_loader,
+        val_loader,
+        objective: Objective,
+        checkpointer: Checkpointer,
+        metrics: MetricsLog,
+        ema: EMA | None,
+        manifest_extra: dict,
+        stop: StopRequest,
+        probes: Sequence[ProbeSet] = (),
+    ):
         self.cfg, self.env, self.device = cfg, env, device
         self.engine, self.train_loader, self.val_loader = engine, train_loader, val_loader
         self.objective, self.checkpointer, self.metrics, self.ema = objective, checkpointer, metrics, ema
@@ -119,11 +158,22 @@ class Trainer:
         self.state = TrainState()
         self.accumulation = cfg.accumulation(env.world_size)
         self.end = min(cfg.train.steps, cfg.train.stop_at or cfg.train.steps)
-        self.flops_per_image = 3 * forward_flops(cfg.model.name, cfg.model.image_size,  # forward + backward
-                                                 getattr(engine.module, "num_classes", 1), cfg.train.objective)
+        self.flops_per_image = 3 * forward_flops(
+            cfg.model.name,
+            cfg.model.image_size,  # forward + backward
+            getattr(engine.module, "num_classes", 1),
+            cfg.train.objective,
+        )
         aug = cfg.augment
-        self.mixing = Mixing(getattr(engine.module, "num_classes", 0), cfg.data.seed, aug.mixup, aug.cutmix,
-                             aug.mix_prob, aug.switch_prob, aug.label_smoothing)
+        self.mixing = Mixing(
+            getattr(engine.module, "num_classes", 0),
+            cfg.data.seed,
+            aug.mixup,
+            aug.cutmix,
+            aug.mix_prob,
+            aug.switch_prob,
+            aug.label_smoothing,
+        )
         self.peak = peak_flops(device)
         self.stop = stop
         self.window = Window(torch.zeros((), device=device))
@@ -132,11 +182,13 @@ class Trainer:
         self.last: dict = {}
         self.run_start = (time.perf_counter(), 0)
         # Progress marks for this rank's hang watchdog (run() starts it): a save may wait for two uploads.
-        self.watchdog = Watchdog(cfg.train.hang_timeout_s, cfg.train.hang_floor_s, cfg.train.collective_timeout_s,
-                                 {"checkpoint save": 2 * 60 * cfg.checkpoint.upload_timeout_minutes})
-        every = cfg.train.straggler_every
-        self.stragglers = StragglerWatch(every, cfg.train.straggler_threshold, env.rank, env.world_size, device,
-                                         engine.module, train_loader, metrics.folder) if every else None
+        self.watchdog = Watchdog(
+            cfg.train.hang_timeout_s,
+            cfg.train.hang_floor_s,
+            cfg.train.collective_timeout_s,
+            {"checkpoint save": 2 * 60 * cfg.checkpoint.upload_timeout_minutes},
+        )
+        self.stragglers = _straggler_watch(cfg, env, device, engine, train_loader, metrics)
         self.profiler = profile_window(cfg.train.profile_steps, self.end, env.rank, device, checkpointer.run.store)
         self.profile_at = self.profiler.next_at if self.profiler else NEVER  # the step after which it acts next
 
@@ -145,8 +197,12 @@ class Trainer:
         self.run_start = (time.perf_counter(), self.state.step)  # for the running images/s
         self.window = Window(torch.zeros((), device=self.device))
         if self.state.step >= self.end:
-            log.info("nothing to train: the run is already at step %d of %d (raise train.steps to go on, or "
-                     "use a new checkpoint.run)", self.state.step, self.end)
+            log.info(
+                "nothing to train: the run is already at step %d of %d (raise train.steps to go on, or "
+                "use a new checkpoint.run)",
+                self.state.step,
+                self.end,
+            )
             return {"step": self.state.step, "complete": True}
         if self.state.step >= self.profile_at:  # a window that opens at this invocation's first step
             self.profile_at = self.profiler.after(self.state.step)
@@ -161,11 +217,11 @@ class Trainer:
         lr = learning_rate(self.cfg, self.state.step)
         for group in self.engine.optimizer.param_groups:
             group["lr"] = lr
-        inputs, targets = self.objective.inputs(batch, self.engine.module, self.train_loader.epoch,
-                                                self.cfg.data.seed)
+        inputs, targets = self.objective.inputs(batch, self.engine.module, self.train_loader.epoch, self.cfg.data.seed)
         if self.mixing.soft:
-            images, targets = mix_batch(inputs[0], targets, self.mixing, self.state.step, self.state.micro,
-                                        self.env.rank)
+            images, targets = mix_batch(
+                inputs[0], targets, self.mixing, self.state.step, self.state.micro, self.env.rank
+            )
             inputs = (images, *inputs[1:])
         loss = self.objective.loss(self.engine(*inputs), targets)
         self.engine.backward(loss)
@@ -208,9 +264,13 @@ class Trainer:
         self.state.nonfinite_streak += 1
         limit = self.cfg.train.max_nonfinite
         if self.state.nonfinite_streak >= limit:
-            raise together(DivergedError(f"step {self.state.step}: the loss or gradient norm is not finite "
-                                         f"({self.state.nonfinite_streak} consecutive step(s), "
-                                         f"train.max_nonfinite {limit}); stopped before it reached a checkpoint"))
+            raise together(
+                DivergedError(
+                    f"step {self.state.step}: the loss or gradient norm is not finite "
+                    f"({self.state.nonfinite_streak} consecutive step(s), "
+                    f"train.max_nonfinite {limit}); stopped before it reached a checkpoint"
+                )
+            )
 
     def log_and_evaluate(self, step: int) -> None:
         cfg = self.cfg
@@ -229,12 +289,20 @@ class Trainer:
         cfg = self.cfg
         if agreed.stop_reason:
             self.save(wait=True)
-            saved = self.checkpointer.run.object_url(tag_for(step)) if cfg.checkpoint.save else \
-                "(none: checkpoint.save is false)"
-            raise Requeue(f"stopped at step {step} ({agreed.stop_reason}); checkpoint {saved} is complete: "
-                          "run the same command again to resume")
-        if (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0) or agreed.timed_checkpoint \
-                or step == self.end:
+            saved = (
+                self.checkpointer.run.object_url(tag_for(step))
+                if cfg.checkpoint.save
+                else "(none: checkpoint.save is false)"
+            )
+            raise Requeue(
+                f"stopped at step {step} ({agreed.stop_reason}); checkpoint {saved} is complete: "
+                "run the same command again to resume"
+            )
+        if (
+            (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0)
+            or agreed.timed_checkpoint
+            or step == self.end
+        ):
             self.save(wait=step == self.end)
 
     def evaluate(self, val: bool = True, probes: bool = True) -> dict:
@@ -242,12 +310,22 @@ class Trainer:
         weights = like_parameters(self.ema.weights, self.engine.module) if self.ema else None
         out = {}
         if val and self.val_loader is not None:
-            out.update(evaluate(self.engine.module, self.val_loader, self.objective, self.device, weights,
-                                self.cfg.data.seed))
+            out.update(
+                evaluate(self.engine.module, self.val_loader, self.objective, self.device, weights, self.cfg.data.seed)
+            )
         if probes and self.probes:
             started = time.perf_counter()
-            out.update(run_probes(self.engine.module, self.probes, self.objective, self.cfg.eval, self.device,
-                                  weights, None if self.shots_recorded else self.record_shots))
+            out.update(
+                run_probes(
+                    self.engine.module,
+                    self.probes,
+                    self.objective,
+                    self.cfg.eval,
+                    self.device,
+                    weights,
+                    None if self.shots_recorded else self.record_shots,
+                )
+            )
             self.shots_recorded = True
             out["eval_probe_seconds"] = time.perf_counter() - started
         return out
@@ -262,8 +340,7 @@ class Trainer:
         loss or gradient norm non-finite anywhere, is a timed checkpoint due (rank 0's clock)."""
         reason = self.stop.reason()
         minutes = self.cfg.train.checkpoint_every_minutes
-        timed = bool(minutes) and self.env.rank == 0 and \
-            time.monotonic() - self.state.last_checkpoint >= minutes * 60
+        timed = bool(minutes) and self.env.rank == 0 and time.monotonic() - self.state.last_checkpoint >= minutes * 60
         flags = self.flags
         flags[0], flags[2] = float(reason is not None), float(timed)
         # Non-finite shows in the sum: the loss, plus the gradient norm where DeepSpeed computes it.
@@ -286,12 +363,20 @@ class Trainer:
             log.warning("step %d: not saving a checkpoint of a model with non-finite values", self.state.step)
             return
         with self.watchdog.phase("checkpoint save"):
-            self.checkpointer.save(self.engine, self.state.step,
-                                   {**self.manifest_extra, "zero_stage": self.engine.zero_optimization_stage()})
+            self.checkpointer.save(
+                self.engine,
+                self.state.step,
+                {**self.manifest_extra, "zero_stage": self.engine.zero_optimization_stage()},
+            )
             self.state.last_checkpoint = time.monotonic()
             stall = self.checkpointer.last_stall
-            log.info("step %d: checkpoint written locally in %.2f s (waited %.2f s for the previous upload)%s",
-                     self.state.step, stall["write_s"], stall["wait_s"], "; uploading" if not wait else "")
+            log.info(
+                "step %d: checkpoint written locally in %.2f s (waited %.2f s for the previous upload)%s",
+                self.state.step,
+                stall["write_s"],
+                stall["wait_s"],
+                "; uploading" if not wait else "",
+            )
             if wait:
                 self.checkpointer.wait()
                 dist.barrier()
@@ -309,21 +394,32 @@ class Trainer:
         loader_window = self.train_loader.window()
         sources = loader_window.get("sources", [])  # a mixture's, each source's own wait
         # The slowest rank's wait is the job's: the others wait for it in the next collective.
-        wait = torch.tensor([loader_window["data_wait_fraction"], stats["data_wait_fraction"],
-                             *[source["data_wait_fraction"] for source in sources]],
-                            dtype=torch.float64, device=self.device)
+        wait = torch.tensor(
+            [
+                loader_window["data_wait_fraction"],
+                stats["data_wait_fraction"],
+                *[source["data_wait_fraction"] for source in sources],
+            ],
+            dtype=torch.float64,
+            device=self.device,
+        )
         dist.all_reduce(wait, op=dist.ReduceOp.MAX)
         grad_norm = self.engine.get_global_grad_norm()
         values = {
-            "loss": loss[0].item() / loss[1].item(), "lr": self.lr,
+            "loss": loss[0].item() / loss[1].item(),
+            "lr": self.lr,
             "grad_norm": float(grad_norm) if grad_norm is not None else None,
-            "images_per_s": images_per_s, "images_per_s_per_gpu": images_per_s / world,
+            "images_per_s": images_per_s,
+            "images_per_s_per_gpu": images_per_s / world,
             "images_per_s_running": images_per_s_running,
-            "data_wait_fraction": wait[0].item(), "data_wait_fraction_running": wait[1].item(),
+            "data_wait_fraction": wait[0].item(),
+            "data_wait_fraction_running": wait[1].item(),
             "bad_samples": stats["bad_samples"],
             "mfu": self.flops_per_image * images_per_s / (world * self.peak) if self.peak else None,
-            "memory_gb": (torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda"
-                          else _max_rss_bytes()) / 2**30,
+            "memory_gb": (
+                torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else _max_rss_bytes()
+            )
+            / 2**30,
         }
         for i, source in enumerate(stats.get("sources", [])):  # samples all ranks took from it since the run began
             values[f"source_{i}_samples_seen"] = source["samples_taken"]
@@ -331,9 +427,17 @@ class Trainer:
         self.metrics.write(step, values)
         if self.env.rank == 0:
             mfu = f" mfu {values['mfu']:.1%}" if values["mfu"] is not None else ""
-            log.info("step %d loss %.4f lr %.2e %.0f img/s (%.0f per rank) data wait %.0f%% (running %.0f%%)%s",
-                     step, values["loss"], self.lr, images_per_s, images_per_s / world,
-                     100 * values["data_wait_fraction"], 100 * values["data_wait_fraction_running"], mfu)
+            log.info(
+                "step %d loss %.4f lr %.2e %.0f img/s (%.0f per rank) data wait %.0f%% (running %.0f%%)%s",
+                step,
+                values["loss"],
+                self.lr,
+                images_per_s,
+                images_per_s / world,
+                100 * values["data_wait_fraction"],
+                100 * values["data_wait_fraction_running"],
+                mfu,
+            )
         self.window = Window(torch.zeros((), device=self.device))
         return values
 
@@ -342,5 +446,3 @@ def _max_rss_bytes() -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-

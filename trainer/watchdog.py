@@ -62,7 +62,7 @@ import threading
 import time
 from collections import deque
 from contextlib import contextmanager
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import NamedTuple
 
@@ -102,15 +102,22 @@ class Progress(NamedTuple):
 
 
 class Watchdog:
-    def __init__(self, timeout_s: float | None, floor_s: float, collective_timeout_s: float,
-                 allowances: dict[str, float] | None = None):
+    def __init__(
+        self,
+        timeout_s: float | None,
+        floor_s: float,
+        collective_timeout_s: float,
+        allowances: dict[str, float] | None = None,
+    ):
         self.fixed, self.floor, self.cap = timeout_s, floor_s, COLLECTIVE_SHARE * collective_timeout_s
         self.allowances = allowances or {}  # a phase's allowance by name; others: PHASE_MULTIPLE x longest
         self.progress = Progress(None, 0, False, None)
         self.times: deque[float] = deque(maxlen=RECENT)
         self.longest: dict[str, float] = {}
         self._stop = threading.Event()
-        self.env = self.run = self.master_host = None
+        self.env: SchedulerEnv | None = None  # these three: from start()
+        self.run: RunStore | None = None
+        self.master_host: str | None = None
 
     # -- the main thread ---------------------------------------------------------------------
     def beat(self, step: int) -> None:
@@ -128,8 +135,11 @@ class Watchdog:
         finally:
             now, progress = time.monotonic(), self.progress
             self.longest[name] = max(self.longest.get(name, 0.0), now - start)
-            self.progress = (progress._replace(phase=None) if progress.last is None  # not armed: stays so
-                             else progress._replace(last=now, timed=False, phase=None))
+            self.progress = (
+                progress._replace(phase=None)
+                if progress.last is None  # not armed: stays so
+                else progress._replace(last=now, timed=False, phase=None)
+            )
 
     # -- the watchdog thread -----------------------------------------------------------------
     def timeout(self) -> float:
@@ -178,19 +188,29 @@ class Watchdog:
 
     def _report_hang(self, what: str, step: int, limit: float) -> None:
         fired, rank, host = time.monotonic(), self.env.rank, socket.gethostname()
-        at = datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+        at = datetime.now(UTC).isoformat(timespec="milliseconds")
         name = f"debug/{step}-rank{rank}-{host}.txt"
         where = main_thread_frame()
-        log.error("rank %d (host %s): %s did not finish within %.0f s (main thread in %s): writing every thread's "
-                  "stack to %s, then ending with exit code %d", rank, host, what, limit, where,
-                  self.run.object_url(name), HUNG)
+        log.error(
+            "rank %d (host %s): %s did not finish within %.0f s (main thread in %s): writing every thread's "
+            "stack to %s, then ending with exit code %d",
+            rank,
+            host,
+            what,
+            limit,
+            where,
+            self.run.object_url(name),
+            HUNG,
+        )
         if rank == 0:
             try:  # first: srun may end this rank as soon as another one leaves
                 record_exit_code(HUNG)
             except OSError as e:
                 log.error("could not write the exit code to VITFORGE_EXIT_FILE: %s", e)
-        path = write_stacks(f"rank {rank} (host {host}, pid {os.getpid()}): {what} did not finish within "
-                            f"{limit:.0f} s; main thread in {where}; fired at {at}\n")
+        path = write_stacks(
+            f"rank {rank} (host {host}, pid {os.getpid()}): {what} did not finish within "
+            f"{limit:.0f} s; main thread in {where}; fired at {at}\n"
+        )
         stored = threading.Event()
 
         def store_stacks() -> None:
@@ -205,15 +225,26 @@ class Watchdog:
             try:
                 store.set(f"{KEY}{rank}", json.dumps({"what": what, "where": where, "host": host}))
             except Exception as e:  # whatever the store raises, it does not answer
-                store = self._unreachable(e)
+                self._unreachable(e)
+                store = None
         writer.join(WRITE_S)
         if stored.is_set():
             os.unlink(path)
         else:
-            log.error("rank %d: the stacks did not reach %s within %.0f s; here they are:\n%s", rank,
-                      self.run.object_url(name), WRITE_S, Path(path).read_text(errors="replace"))
-        if store is None:
-            return
+            log.error(
+                "rank %d: the stacks did not reach %s within %.0f s; here they are:\n%s",
+                rank,
+                self.run.object_url(name),
+                WRITE_S,
+                Path(path).read_text(errors="replace"),
+            )
+        if store is not None:
+            self._finish_report(store, what, limit, fired, grace)
+
+    def _finish_report(self, store: dist.TCPStore, what: str, limit: float, fired: float, grace: float) -> None:
+        """Through the rendezvous store: every rank counts itself done; rank 0 waits out the grace,
+        summarises and waits for the reporting ranks' stacks, and the others for its summary."""
+        rank = self.env.rank
         try:
             store.add(f"{KEY}done", 1)
             if rank == 0:
@@ -232,16 +263,23 @@ class Watchdog:
         try:
             return connect_to_rendezvous(self.env, STORE_S)
         except Exception as e:  # whatever it raises, the store does not answer
-            return self._unreachable(e)
+            self._unreachable(e)
+            return None
 
     def _unreachable(self, error: Exception) -> None:
-        """Says what an unreachable store means; None, the store there is to use."""
+        """Says what an unreachable store means (the caller goes on without it)."""
         if self.env.rank == 0:
             log.error("rank 0: its own rendezvous store failed (%s): no report of the other ranks", error)
         else:
-            log.error("rank %d: rank 0's rendezvous store (host %s, %s:%d) does not answer (%s): rank 0 is the one "
-                      "stuck, or its host is (unless it left already)", self.env.rank, self.master_host,
-                      self.env.master_addr, self.env.master_port, error)
+            log.error(
+                "rank %d: rank 0's rendezvous store (host %s, %s:%d) does not answer (%s): rank 0 is the one "
+                "stuck, or its host is (unless it left already)",
+                self.env.rank,
+                self.master_host,
+                self.env.master_addr,
+                self.env.master_port,
+                error,
+            )
             try:  # a frozen rank 0 records no verdict: without one the job would not requeue as hung
                 record_exit_code(HUNG, claim=True)
             except OSError as e:
@@ -263,11 +301,16 @@ class Watchdog:
         for r, report in sorted(reports.items()):
             places.setdefault(f"{report['what']} in {report['where']}", []).append(r)
         missing = "; ".join(f"{_ranks(ranks)} (host {host})" for host, ranks in silent.items())
-        log.error("hang (%s, timeout %.0f s): %s; %s; every reporting rank's stacks are in %s", what, limit,
-                  f"did not reach the collective (no watchdog report: frozen, dead or cut off): {missing}"
-                  if silent else "every rank reported (none is frozen: see where each one is)",
-                  "; ".join(f"{_ranks(ranks)}: {place}" for place, ranks in places.items()),
-                  self.run.object_url("debug/"))
+        log.error(
+            "hang (%s, timeout %.0f s): %s; %s; every reporting rank's stacks are in %s",
+            what,
+            limit,
+            f"did not reach the collective (no watchdog report: frozen, dead or cut off): {missing}"
+            if silent
+            else "every rank reported (none is frozen: see where each one is)",
+            "; ".join(f"{_ranks(ranks)}: {place}" for place, ranks in places.items()),
+            self.run.object_url("debug/"),
+        )
         return len(reports)
 
 
@@ -312,9 +355,12 @@ def _pending_collectives() -> str:
         trace = json.loads(_dump_fr_trace_json(True, True))
     except Exception as e:  # a missing recorder only means less evidence
         return f"(none: {type(e).__name__}: {e})"
-    lines = [f"{e.get('profiling_name')} #{e.get('collective_seq_id')} {e.get('state')} "
-             f"group {e.get('process_group')} sizes {e.get('input_sizes')}"
-             for e in trace.get("entries", []) if not e.get("retired")]
+    lines = [
+        f"{e.get('profiling_name')} #{e.get('collective_seq_id')} {e.get('state')} "
+        f"group {e.get('process_group')} sizes {e.get('input_sizes')}"
+        for e in trace.get("entries", [])
+        if not e.get("retired")
+    ]
     return "\n".join([*lines, f"groups: {json.dumps(trace.get('pg_status', {}), sort_keys=True)}"])
 
 
@@ -325,8 +371,9 @@ def _native_stacks() -> str:
     if sys.platform.startswith("linux"):  # where Yama allows only ancestors to trace, let py-spy in
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)
     try:
-        done = subprocess.run([spy, "dump", "--native", "--pid", str(os.getpid())], capture_output=True, text=True,
-                              timeout=SPY_S)
+        done = subprocess.run(
+            [spy, "dump", "--native", "--pid", str(os.getpid())], capture_output=True, text=True, timeout=SPY_S
+        )
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"(py-spy failed: {e})"
     return done.stdout + done.stderr

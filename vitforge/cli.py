@@ -98,7 +98,6 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-
 def _main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)

@@ -15,8 +15,8 @@ from pydantic_core import PydanticUndefined
 HEADER = """# Configuration reference
 
 Generated from the schemas (`trainer/config.py`, whose `data` settings `pipeline/spec.py` declares,
-and `cluster/spec.py`) by `python -m vitforge.config_reference docs/CONFIG.md`; a test fails when
-this file is stale.
+`trainer/output_config.py` and `cluster/spec.py`) by `python -m vitforge.config_reference docs/CONFIG.md`;
+a test fails when this file is stale.
 Set any key in a YAML file or with `--set section.key=value` (values are typed as YAML: `--set
 augment.randaugment=[2,9]`, `--set data.val=null`). A key without a default must be given.
 """
@@ -26,11 +26,16 @@ def render() -> str:
     from vitforge.cluster import LaunchSpec
     from vitforge.trainer import Config
 
-    parts = [HEADER, "## Training config (`vitforge train CONFIG`)\n",
-             "Shipped recipes: `trainer/recipes/*.yaml`; `vitforge train NAME` finds them by name.\n"]
+    parts = [
+        HEADER,
+        "## Training config (`vitforge train CONFIG`)\n",
+        "Shipped recipes: `trainer/recipes/*.yaml`; `vitforge train NAME` finds them by name.\n",
+    ]
     parts += _sections(Config, "")
-    parts += ["## Launch spec (`vitforge submit SPEC`)\n",
-              "Shipped specs: `cluster/specs/*.yaml`; `vitforge submit NAME` finds them by name.\n"]
+    parts += [
+        "## Launch spec (`vitforge submit SPEC`)\n",
+        "Shipped specs: `cluster/specs/*.yaml`; `vitforge submit NAME` finds them by name.\n",
+    ]
     parts += _sections(LaunchSpec, "")
     return "\n".join(parts)
 
@@ -43,8 +48,11 @@ def _sections(schema: type[BaseModel], prefix: str) -> list[str]:
         if inner is not None:
             nested.append((f"{prefix}{name}", inner, field))
             continue
-        default = "*required*" if field.default is PydanticUndefined and field.default_factory is None else \
-            f"`{_show(field.default)}`"
+        default = (
+            "*required*"
+            if field.default is PydanticUndefined and field.default_factory is None
+            else f"`{_show(field.default)}`"
+        )
         rows.append(f"| `{prefix}{name}` | {_type(field)} | {default} | {_one_line(field.description)} |")
     out = []
     if rows:

@@ -15,8 +15,9 @@ import numpy as np
 from PIL import Image
 
 
-def class_image(label: int, num_classes: int, rng: np.random.Generator, size: tuple[int, int],
-                noise: float, hue_jitter: float = 0.0) -> np.ndarray:
+def class_image(
+    label: int, num_classes: int, rng: np.random.Generator, size: tuple[int, int], noise: float, hue_jitter: float = 0.0
+) -> np.ndarray:
     """`hue_jitter`: the hue varies by up to this many class widths either way, so neighbouring
     classes share hues and only the stripes' angle tells them apart."""
     width, height = size
@@ -31,8 +32,16 @@ def class_image(label: int, num_classes: int, rng: np.random.Generator, size: tu
     return pixels.clip(0, 255).astype(np.uint8)
 
 
-def write_class_folders(root: str, num_classes: int = 10, per_class: int = 30, size: tuple[int, int] = (160, 120),
-                        quality: int = 90, seed: int = 0, realistic: bool = False, varied: bool = False) -> list[str]:
+def write_class_folders(
+    root: str,
+    num_classes: int = 10,
+    per_class: int = 30,
+    size: tuple[int, int] = (160, 120),
+    quality: int = 90,
+    seed: int = 0,
+    realistic: bool = False,
+    varied: bool = False,
+) -> list[str]:
     """Write ROOT/class_KK/img_NNNNN.jpg; return the paths in writing order. Sizes are `size` within
     10%, or with `varied`, any of 48-256 px on the longer side at aspect ratios 1:2 to 2:1, and hues
     that overlap between neighbouring classes."""
@@ -47,11 +56,14 @@ def write_class_folders(root: str, num_classes: int = 10, per_class: int = 30, s
         for n in range(per_class):
             if varied:
                 longer, aspect = int(rng.integers(48, 257)), float(np.exp(rng.uniform(np.log(0.5), np.log(2))))
-                jitter = (longer, max(int(longer / aspect), 24)) if aspect >= 1 else (max(int(longer * aspect), 24),
-                                                                                      longer)
+                jitter = (
+                    (longer, max(int(longer / aspect), 24)) if aspect >= 1 else (max(int(longer * aspect), 24), longer)
+                )
             else:
-                jitter = (size[0] + int(rng.integers(-size[0] // 10, size[0] // 10 + 1)),
-                          size[1] + int(rng.integers(-size[1] // 10, size[1] // 10 + 1)))
+                jitter = (
+                    size[0] + int(rng.integers(-size[0] // 10, size[0] // 10 + 1)),
+                    size[1] + int(rng.integers(-size[1] // 10, size[1] // 10 + 1)),
+                )
             pixels = class_image(label, num_classes, rng, jitter, noise, hue_jitter=1.0 if varied else 0.0)
             path = os.path.join(folder, f"img_{n:05d}.jpg")
             Image.fromarray(pixels).save(path, "JPEG", quality=quality)
@@ -66,7 +78,10 @@ def write_broken_files(root: str) -> dict[str, str]:
         "class_00/broken_empty.jpg": (b"", "empty"),
         "class_01/broken_truncated.jpg": (good[: len(good) // 2], "truncated"),
         "class_02/broken_text.jpg": (b"this is a text file with an image's name\n", "not_an_image"),
-        "class_03/broken_scan.jpg": (good[:len(good) // 2] + b"\xff\x00" * 50 + good[len(good) // 2 + 100:], "corrupt"),
+        "class_03/broken_scan.jpg": (
+            good[: len(good) // 2] + b"\xff\x00" * 50 + good[len(good) // 2 + 100 :],
+            "corrupt",
+        ),
     }
     written = {}
     for rel, (data, reason) in broken.items():

@@ -22,6 +22,7 @@ from vitforge.core import open_store
 from vitforge.shards import ShardJob, run
 from vitforge.shards.array_plan import _shares
 from vitforge.shards.layout import FIRST
+from vitforge.shards.plan_slices import load_slice, read_header
 from vitforge.shards.sources import list_corpus
 
 ROWS = 90
@@ -154,7 +155,7 @@ def test_below_a_bucket_the_plan_is_the_one_a_single_task_makes_of_the_listing(l
     records: the same items, shard by shard."""
     run(_job(listing, tmp_path / "array", 3, 1))
     store = open_store(str(tmp_path / "array"))
-    header = plan.read_header(store)
+    header = read_header(store)
     assert header.parts == 1 and header.slice_shards is not None
     job = _job(listing, tmp_path / "array")
     corpus = list_corpus(str(listing))
@@ -162,7 +163,7 @@ def test_below_a_bucket_the_plan_is_the_one_a_single_task_makes_of_the_listing(l
                             dedup=False)
     one = open_store(str(tmp_path / "single"))
     plan.write_plan(one, single, parts=1)
-    assert plan.load_slice(store, header, 0, 1) == plan.load_slice(one, plan.read_header(one), 0, 1)
+    assert load_slice(store, header, 0, 1) == load_slice(one, read_header(one), 0, 1)
     assert header.classes == corpus.classes == ["cat", "dog", "eel"]
 
 

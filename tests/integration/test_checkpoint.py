@@ -364,7 +364,7 @@ def test_unreachable_store_fails_fast_naming_the_url(data):
 
 
 def test_a_node_fetches_only_the_universal_files_its_ranks_read():
-    from vitforge.trainer.checkpoint import universal_files
+    from vitforge.trainer.checkpoint_files import universal_files
 
     files = dict.fromkeys(f"universal/{name}" for name in (
         "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt",

@@ -25,7 +25,7 @@ from common.services import start_or_fail
 from vitforge.core import errors
 from vitforge.testing import start_local_mlflow
 from vitforge.trainer.tracking import feed as tracking
-from vitforge.trainer.config import MLflowTracking
+from vitforge.trainer.output_config import MLflowTracking
 from vitforge.trainer.run_store import RunStore
 from vitforge.trainer.tracking import MLFLOW_BOUNDS, MLFLOW_QUIET, TRACKING, MLflowSink, TrackingFeed, check_trackers
 
@@ -239,7 +239,7 @@ def test_a_refused_batch_or_a_foreign_line_stops_no_row_and_no_row_goes_twice(ml
 def test_a_missing_client_or_server_is_a_config_error(monkeypatch):
     """What every rank checks before building anything: the extra to install, or the server to name."""
     from vitforge.trainer import ConfigError
-    from vitforge.trainer.config import TrackingConfig
+    from vitforge.trainer.output_config import TrackingConfig
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     with pytest.raises(ConfigError, match="set tracking.mlflow.uri or MLFLOW_TRACKING_URI"):

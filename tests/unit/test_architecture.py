@@ -1,9 +1,9 @@
 """The structure stays as docs/ARCHITECTURE.md draws it: the product packages import one another only
 in the documented direction and never the local stand-ins (vitforge.testing) or the CLI front-end;
 no module imports itself back through others (lazy imports inside functions count; imports only for
-type checkers do not); no module grows past 450 lines; and the light commands and modules (submitting,
-watching and cancelling jobs, validating a config, listing and verifying checkpoints, rendering
-scripts, reading the scheduler's variables) never import torch."""
+type checkers do not); no module grows past 450 lines and no function past 60; and the light
+commands and modules (submitting, watching and cancelling jobs, validating a config, listing and
+verifying checkpoints, rendering scripts, reading the scheduler's variables) never import torch."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ PRODUCT_PACKAGES = ("core", "shards", "pipeline", "trainer", "cluster")
 MAY_IMPORT = {"core": set(), "shards": {"core"}, "pipeline": {"core", "shards"}, "trainer": {"core", "pipeline"},
               "cluster": {"core", "shards", "pipeline", "trainer"}}
 MAX_LINES = 450
+MAX_FUNCTION_LINES = 60  # from the `def` line to the last, the docstring counted
 
 
 def _module_name(path) -> str:
@@ -130,6 +131,25 @@ def test_no_module_imports_itself_back():
 def test_no_module_grows_past_the_limit():
     sizes = {str(p.relative_to(REPO)): len(p.read_text().splitlines()) for p in _product_modules().values()}
     assert {m: n for m, n in sizes.items() if n > MAX_LINES} == {}
+
+
+def _functions(node, prefix: str = ""):
+    """(qualified name, node) of every function under `node`: methods and nested functions too."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            if not isinstance(child, ast.ClassDef):
+                yield prefix + child.name, child
+            yield from _functions(child, f"{prefix}{child.name}.")
+        else:
+            yield from _functions(child, prefix)
+
+
+def test_no_function_grows_past_the_limit():
+    long = [f"{module}.{name} ({path.relative_to(REPO)}:{node.lineno}): {node.end_lineno - node.lineno + 1} lines"
+            for module, path in _product_modules().items()
+            for name, node in _functions(ast.parse(path.read_text(), filename=str(path)))
+            if node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
+    assert long == [], f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long)
 
 
 @pytest.mark.parametrize("module", ["vitforge.cluster.render", "vitforge.cluster.launcher", "vitforge.core.scheduler"])

@@ -1,6 +1,7 @@
-"""`vitforge plan`'s figures (cluster/planner.py), each formula against a hand calculation with small
-round numbers: throughput, checkpoint size and interval, communication per ZeRO stage, restart time
-and host memory; then the figures together, the report, and the ViT paper's own setups end to end."""
+"""`vitforge plan`'s figures (cluster/planner_formulas.py, planner.py), each formula against a hand
+calculation with small round numbers: throughput, checkpoint size and interval, communication per
+ZeRO stage, restart time and host memory; then the figures together, the report, and the ViT
+paper's own setups end to end."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ import math
 import pytest
 
 from vitforge.cluster import PlanInput, plan, report
-from vitforge.cluster.planner import (ModelFacts, accumulation, checkpoint_bytes_per_rank, comm_bandwidth,
-                                   comm_bytes_per_rank, exposed_seconds, host_bytes_per_rank, intervals_within,
-                                   lost_fraction, node_read_bandwidth, restart_seconds, restore_bytes_per_node,
-                                   ring_collectives, ring_latency, throughput, write_seconds, young_daly_interval)
+from vitforge.cluster.planner_formulas import (ModelFacts, accumulation, checkpoint_bytes_per_rank, comm_bandwidth,
+                                            comm_bytes_per_rank, exposed_seconds, host_bytes_per_rank,
+                                            intervals_within, lost_fraction, node_read_bandwidth, restart_seconds,
+                                            restore_bytes_per_node, ring_collectives, ring_latency, throughput,
+                                            write_seconds, young_daly_interval)
 from vitforge.core import UsageError
 
 

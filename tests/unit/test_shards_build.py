@@ -18,7 +18,7 @@ from common.cli import REPO
 from vitforge.core import open_store
 from vitforge.shards import ShardJob, ensure_plan
 from vitforge.shards.layout import FIRST
-from vitforge.shards.plan import load_slice, read_header
+from vitforge.shards.plan_slices import load_slice, read_header
 
 
 @pytest.fixture

@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vitforge.core import open_store
-from vitforge.shards.plan import (SAMPLE_OVERHEAD, Inputs, deduplicate, load_slice, make_plan, plan_inputs,
-                                  write_plan)
+from vitforge.shards.plan import SAMPLE_OVERHEAD, Inputs, deduplicate, make_plan, plan_inputs, write_plan
+from vitforge.shards.plan_slices import load_slice
 from vitforge.shards.sources import Corpus, SourceRecord
 
 

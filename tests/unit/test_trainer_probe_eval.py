@@ -9,7 +9,7 @@ import pytest
 
 from vitforge.pipeline import LoaderSpec, build_loader
 from vitforge.trainer import ConfigError
-from vitforge.trainer.config import EvalConfig
+from vitforge.trainer.output_config import EvalConfig
 from vitforge.trainer.probe_eval import build_probes
 
 

@@ -43,5 +43,17 @@ from .start import TRACKERS, check_trackers, start_tracking, trackers_on
 from .system import SystemFigures
 from .wandb_sink import WandbSink
 
-__all__ = ["MLFLOW_BOUNDS", "MLFLOW_QUIET", "MLflowSink", "Sink", "SystemFigures", "TRACKERS", "TRACKING",
-           "TrackingFeed", "WandbSink", "check_trackers", "start_tracking", "trackers_on"]
+__all__ = [
+    "MLFLOW_BOUNDS",
+    "MLFLOW_QUIET",
+    "TRACKERS",
+    "TRACKING",
+    "MLflowSink",
+    "Sink",
+    "SystemFigures",
+    "TrackingFeed",
+    "WandbSink",
+    "check_trackers",
+    "start_tracking",
+    "trackers_on",
+]

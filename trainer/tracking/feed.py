@@ -33,6 +33,7 @@ log = logging.getLogger("vitforge.tracking")
 @dataclass
 class Tracker:
     """One tracker as the feed sees it: where it is in metrics.jsonl and what it holds."""
+
     sink: Sink
     opened: bool = False
     offset: int = 0  # bytes of metrics.jsonl read
@@ -54,6 +55,7 @@ class Tracker:
 @dataclass
 class RowBatch:
     """The rows one request sends, and where their tracker is in metrics.jsonl once they are sent."""
+
     rows: list[tuple[int, dict]] = field(default_factory=list)
     offset: int = 0
     step: int = -1
@@ -67,8 +69,9 @@ class TrackingFeed:
     for every tracker: one that hangs delays the others by its client's bounded timeout, never a step.
     Per tracker a Tracker (a few numbers); per poll at most READ_BYTES of rows, dropped after it."""
 
-    def __init__(self, sinks: list, run_store: RunStore | None, metrics_path: str, resumed_from: int | None,
-                 config: dict):
+    def __init__(
+        self, sinks: list, run_store: RunStore | None, metrics_path: str, resumed_from: int | None, config: dict
+    ):
         self.trackers = [Tracker(sink, rollback=resumed_from) for sink in sinks]
         self.run_store, self.path, self.config = run_store, metrics_path, config
         self.folder = os.path.dirname(metrics_path)
@@ -93,8 +96,12 @@ class TrackingFeed:
         self._thread.join(CLOSE_TIMEOUT_S)
         if self._thread.is_alive():
             names = ", ".join(t.sink.name for t in self.trackers)
-            log.warning("tracking: %s did not take the last rows within %.0f s; they stay in %s and go at the "
-                        "next start", names, CLOSE_TIMEOUT_S, self.path)
+            log.warning(
+                "tracking: %s did not take the last rows within %.0f s; they stay in %s and go at the next start",
+                names,
+                CLOSE_TIMEOUT_S,
+                self.path,
+            )
 
     # -- the thread ------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -156,8 +163,13 @@ class TrackingFeed:
                 self._save(force=False)
         except Exception as e:
             if not tracker.down:
-                log.warning("tracking: %s is unreachable (%s); its rows stay in %s and are sent when it answers "
-                            "again (retrying with backoff); training goes on", tracker.sink.name, _safe(e), self.path)
+                log.warning(
+                    "tracking: %s is unreachable (%s); its rows stay in %s and are sent when it answers "
+                    "again (retrying with backoff); training goes on",
+                    tracker.sink.name,
+                    _safe(e),
+                    self.path,
+                )
             tracker.down = True
             tracker.retry_at = time.monotonic() + tracker.wait_s
             tracker.wait_s = min(tracker.wait_s * 2, RETRY_S[1])
@@ -177,8 +189,14 @@ class TrackingFeed:
                 raise
             cause = _safe(e)
         if cause != tracker.refused:
-            log.error("tracking: %s refused the rows of steps %d-%d for good (%s); they are not sent to it, "
-                      "the rows after them are", tracker.sink.name, batch.rows[0][0], batch.rows[-1][0], cause)
+            log.error(
+                "tracking: %s refused the rows of steps %d-%d for good (%s); they are not sent to it, "
+                "the rows after them are",
+                tracker.sink.name,
+                batch.rows[0][0],
+                batch.rows[-1][0],
+                cause,
+            )
         tracker.refused = cause
         return False
 
@@ -191,14 +209,24 @@ class TrackingFeed:
         stored = self.stored.get(tracker.sink.key)
         sink = tracker.sink
         if stored and sink.open(stored, self.config):
-            tracker.last_step, tracker.rows_at_last_step = max((stored["last_step"], stored["rows_at_last_step"]),
-                                                               sink.held())
-            log.info("tracking: continuing %s run %s (%s) after step %d", sink.name, sink.run_id, sink.place,
-                     tracker.last_step)
+            tracker.last_step, tracker.rows_at_last_step = max(
+                (stored["last_step"], stored["rows_at_last_step"]), sink.held()
+            )
+            log.info(
+                "tracking: continuing %s run %s (%s) after step %d",
+                sink.name,
+                sink.run_id,
+                sink.place,
+                tracker.last_step,
+            )
         else:
             if stored:
-                log.warning("tracking: the %s run %s of this run is gone; starting a new one with every row of %s",
-                            sink.name, stored.get("run_id"), self.path)
+                log.warning(
+                    "tracking: the %s run %s of this run is gone; starting a new one with every row of %s",
+                    sink.name,
+                    stored.get("run_id"),
+                    self.path,
+                )
             sink.create(self.config, lambda: self._save(force=True, extra=tracker))
             log.info("tracking: started %s run %s (%s)", sink.name, sink.run_id, sink.place)
         tracker.opened = True
@@ -212,19 +240,22 @@ class TrackingFeed:
             f.seek(tracker.offset)
             data = f.read(READ_BYTES)
             at_end = f.tell() == os.fstat(f.fileno()).st_size
-        data = data[:data.rfind(b"\n") + 1]
+        data = data[: data.rfind(b"\n") + 1]
         if not data:
             return None
-        batch = RowBatch(offset=tracker.offset, step=tracker.step, step_rows=tracker.step_rows,
-                      mark=(tracker.last_step, tracker.rows_at_last_step))
+        batch = RowBatch(
+            offset=tracker.offset,
+            step=tracker.step,
+            step_rows=tracker.step_rows,
+            mark=(tracker.last_step, tracker.rows_at_last_step),
+        )
         lines = data.splitlines(keepends=True)
         for n, line in enumerate(lines):
             batch.offset += len(line)
             row = _row(line)
             if row is None:
                 if batch.offset > self.skipped:  # the first tracker to read it says so
-                    log.warning("tracking: skipped a line of %s that is not a metrics row: %r", self.path,
-                                line[:200])
+                    log.warning("tracking: skipped a line of %s that is not a metrics row: %r", self.path, line[:200])
                     self.skipped = batch.offset
                 continue
             step = row.pop("step", 0)

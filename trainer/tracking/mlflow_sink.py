@@ -7,8 +7,9 @@ import json
 import os
 import re
 import time
+from typing import Any
 
-from ..config import MLflowTracking
+from ..output_config import MLflowTracking
 
 # A dead MLflow server blocks one client call 247 s with the client's defaults (7 retries, backoff 2,
 # 120 s timeout); this thread has its own retries, so each call gives up within about half a minute.
@@ -29,7 +30,7 @@ class MLflowSink:
         self.experiment = settings.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or "vitforge"
         self.run_name = settings.run_name or run
         self.place = f"experiment {self.experiment}"
-        self.client = None
+        self.client: Any = None  # an MlflowClient, made on first use
         self.run_id: str | None = None
         self.params: list = []  # parameters of a run created by this process, until they are logged
         for name, value in MLFLOW_BOUNDS.items():  # unless the user bounded them otherwise
@@ -100,7 +101,7 @@ class MLflowSink:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        metrics = []
+        metrics: list = []
         for step, values in rows:  # requests of whole rows (see held), 1000 metrics at most
             row = [Metric(mlflow_key(k), float(v), now, step) for k, v in values.items()]
             if metrics and len(metrics) + len(row) > 1000:
@@ -116,8 +117,11 @@ class MLflowSink:
         rows wait in metrics.jsonl); an unreachable server is a 5xx (INTERNAL_ERROR) here."""
         from mlflow.exceptions import MlflowException
 
-        return isinstance(error, MlflowException) and 400 <= error.get_http_status_code() < 500 and \
-            error.get_http_status_code() not in (401, 403, 429)
+        return (
+            isinstance(error, MlflowException)
+            and 400 <= error.get_http_status_code() < 500
+            and error.get_http_status_code() not in (401, 403, 429)
+        )
 
     def upload(self, paths: list[str]) -> None:
         for path in paths:

@@ -4,7 +4,8 @@ run's name, and the folder metrics.jsonl is in."""
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 
 class Sink(Protocol):

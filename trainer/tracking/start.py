@@ -9,14 +9,17 @@ import threading
 
 from vitforge.core import check_no_userinfo, registry
 
-from ..config import MLFLOW_CREDENTIALS, Config, ConfigError, TrackingConfig
+from ..config import Config, ConfigError
+from ..output_config import MLFLOW_CREDENTIALS, TrackingConfig
 from ..run_store import RunStore
 from .feed import TrackingFeed
 
 # tracking.<name> -> its sink class (sink.py's protocol), imported when a run starts one; the name is
 # also the client's module and the pip extra that installs it.
-TRACKERS = {"mlflow": "vitforge.trainer.tracking.mlflow_sink:MLflowSink",
-            "wandb": "vitforge.trainer.tracking.wandb_sink:WandbSink"}
+TRACKERS = {
+    "mlflow": "vitforge.trainer.tracking.mlflow_sink:MLflowSink",
+    "wandb": "vitforge.trainer.tracking.wandb_sink:WandbSink",
+}
 
 
 def trackers_on(tracking: TrackingConfig) -> list[str]:
@@ -32,11 +35,12 @@ def check_trackers(tracking: TrackingConfig, warm: bool = False) -> None:
     names = trackers_on(tracking)
     for name in names:
         if importlib.util.find_spec(name) is None:
-            raise ConfigError(f"tracking.{name} is on but its client is not installed: "
-                              f"pip install 'vitforge[{name}]'")
+            raise ConfigError(f"tracking.{name} is on but its client is not installed: pip install 'vitforge[{name}]'")
     if tracking.mlflow is not None and not (tracking.mlflow.uri or os.environ.get("MLFLOW_TRACKING_URI")):
-        raise ConfigError("tracking.mlflow is on but names no server: set tracking.mlflow.uri or "
-                          "MLFLOW_TRACKING_URI (e.g. http://mlflow.example:5000)")
+        raise ConfigError(
+            "tracking.mlflow is on but names no server: set tracking.mlflow.uri or "
+            "MLFLOW_TRACKING_URI (e.g. http://mlflow.example:5000)"
+        )
     if tracking.mlflow is not None and not tracking.mlflow.uri:
         # the client would take it as it is and send the password with every request
         check_no_userinfo(os.environ["MLFLOW_TRACKING_URI"], "MLFLOW_TRACKING_URI", MLFLOW_CREDENTIALS, ConfigError)
@@ -52,19 +56,23 @@ def _import(names: list[str]) -> None:
             return
 
 
-def start_tracking(cfg: Config, run_store: RunStore, metrics_path: str,
-                   resumed_from: int | None) -> TrackingFeed | None:
+def start_tracking(
+    cfg: Config, run_store: RunStore, metrics_path: str, resumed_from: int | None
+) -> TrackingFeed | None:
     """Rank 0: start feeding the trackers the run's config and metrics_path's rows; None when no
     tracker is on. `resumed_from`: the step restored from a checkpoint (None: a fresh run).
     Returns at once: the store and the trackers are only ever touched by the feed's thread."""
     check_trackers(cfg.tracking)
     folder = os.path.dirname(metrics_path)
-    sinks = [registry.resolve(TRACKERS, name)(getattr(cfg.tracking, name), cfg.checkpoint.run, folder)
-             for name in trackers_on(cfg.tracking)]
+    sinks = [
+        registry.resolve(TRACKERS, name)(getattr(cfg.tracking, name), cfg.checkpoint.run, folder)
+        for name in trackers_on(cfg.tracking)
+    ]
     if not sinks:
         return None
     # Without checkpoints (checkpoint.save false) nothing resumes: no tracking.json either.
-    feed = TrackingFeed(sinks, run_store if cfg.checkpoint.save else None, metrics_path, resumed_from,
-                        cfg.model_dump(mode="json"))
+    feed = TrackingFeed(
+        sinks, run_store if cfg.checkpoint.save else None, metrics_path, resumed_from, cfg.model_dump(mode="json")
+    )
     feed.start()
     return feed

@@ -3,13 +3,15 @@ GPUs' utilisation and memory where NVML sees them."""
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class SystemFigures:
     """CPU and host memory (psutil), GPU utilisation and memory (NVML, when pynvml is importable and
     sees a GPU) of rank 0's node: sampled at most once per poll, under MLflow's system metric names."""
 
     def __init__(self):
-        self.nvml = None
+        self.nvml: Any = None  # the pynvml module, when it loads and sees a GPU
         self.gpus = 0
         self.cached: dict | None = None
 
@@ -33,9 +35,11 @@ class SystemFigures:
             import psutil
 
             memory = psutil.virtual_memory()
-            figures = {"system/cpu_utilization_percentage": psutil.cpu_percent(None),
-                       "system/system_memory_usage_percentage": memory.percent,
-                       "system/system_memory_usage_megabytes": memory.used / 2**20}
+            figures = {
+                "system/cpu_utilization_percentage": psutil.cpu_percent(None),
+                "system/system_memory_usage_percentage": memory.percent,
+                "system/system_memory_usage_megabytes": memory.used / 2**20,
+            }
             for i in range(self.gpus):
                 gpu = self.nvml.nvmlDeviceGetHandleByIndex(i)
                 figures[f"system/gpu_{i}_utilization_percentage"] = self.nvml.nvmlDeviceGetUtilizationRates(gpu).gpu

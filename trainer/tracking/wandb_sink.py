@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import os
 import uuid
+from typing import Any
 
-from ..config import WandbTracking
+from ..output_config import WandbTracking
 
 
 class WandbSink:
@@ -18,7 +19,7 @@ class WandbSink:
         self.settings, self.run_name, self.folder = settings, settings.run_name or run, folder
         self.project = settings.project or os.environ.get("WANDB_PROJECT") or "vitforge"
         self.place = f"project {self.project}"
-        self.run = None
+        self.run: Any = None  # wandb's Run, once opened
         self.run_id: str | None = None
 
     def record(self) -> dict:
@@ -40,10 +41,16 @@ class WandbSink:
         s = self.settings
         # console off: W&B would otherwise wrap this process's stdout and stderr; its own system
         # monitor is off too: the feed sends the system figures with the rows.
-        self.run = wandb.init(id=self.run_id, resume="allow", project=self.project, entity=s.entity, mode=s.mode,
-                              name=self.run_name,
-                              dir=None if os.environ.get("WANDB_DIR") else self.folder,
-                              settings=wandb.Settings(console="off", x_disable_stats=True, silent=True))
+        self.run = wandb.init(
+            id=self.run_id,
+            resume="allow",
+            project=self.project,
+            entity=s.entity,
+            mode=s.mode,
+            name=self.run_name,
+            dir=None if os.environ.get("WANDB_DIR") else self.folder,
+            settings=wandb.Settings(console="off", x_disable_stats=True, silent=True),
+        )
         self.run.config.update(config, allow_val_change=True)
 
     def held(self) -> tuple[int, int]:
