@@ -11,10 +11,10 @@ setup: $(STAMP)
 
 # uv installs (downloads and unpacks in parallel; its cache, ~/.cache/uv, makes the next clean clone's
 # install take seconds), bootstrapped by pip into the venv. CI installs exactly ci/constraints.txt;
-# ci/pip_sources.py hands uv the sources pip is configured with, so torch/torchvision come from local
+# ci/uv_install.py hands uv the sources pip is configured with, so torch/torchvision come from local
 # disk where they lie there, as with pip.
 UV := $(VENV)/bin/uv
-UV_INSTALL = $(UV) pip install --quiet $$($(PY) ci/pip_sources.py)
+UV_INSTALL = $(PY) ci/uv_install.py --quiet
 $(UV):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet -c ci/constraints.txt uv
@@ -89,8 +89,8 @@ lint: setup
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)
 	$(VENV)/bin/ruff check $(LINT_PATHS)
 	rm -rf build/lint && mkdir -p build/lint/vitforge
-	ln -s $(CURDIR)/vitforge/*.py build/lint/vitforge/
-	for p in $(filter-out vitforge,$(LINT_PATHS)); do ln -s $(CURDIR)/$$p build/lint/vitforge/$$p; done
+	cd build/lint/vitforge && ln -s ../../../vitforge/*.py . && \
+		for p in $(filter-out vitforge,$(LINT_PATHS)); do ln -s ../../../$$p $$p; done
 	$(PY) -m mypy
 
 # Line and branch coverage of the product in every Python process the tests start (ci/coverage.rc:

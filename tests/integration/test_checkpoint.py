@@ -231,6 +231,16 @@ def test_a_signal_during_start_up_stops_the_run_after_its_first_step(data, strai
     assert_same_weights(weights(str(run)), weights(str(straight)))
 
 
+def test_a_run_past_its_time_budget_saves_and_exits_for_requeue(data):
+    """train.max_minutes (what a job script derives from its time limit and signal lead) stops the
+    run as a signal would: the budget, counted from start-up, is spent before the first step ends."""
+    result = train(data, "budget", *STRAIGHT, "train.max_minutes=0.001", nproc=1, check=False)
+    assert result.returncode == errors.REQUEUE, result.stderr[-3000:]
+    assert "stopped at step 1 (train.max_minutes reached)" in result.stderr
+    run = data / "runs" / "budget"
+    assert (run / "latest").read_text() == "step_00000001" and (run / "step_00000001" / "manifest.json").exists()
+
+
 @pytest.mark.slow(seconds=95)
 def test_a_signal_that_kills_a_start_up_child_still_ends_in_a_requeue(data, tmp_path):
     """With an empty extensions folder, start-up JIT-compiles DeepSpeed's shm op: ninja holds the

@@ -188,7 +188,7 @@ def test_a_run_longer_than_its_time_limit_completes_across_requeues(data, slurm,
                   env={**s3_server["env"], "AWS_SECRET_ACCESS_KEY": SECRET})
     script = (tmp_path / "slurm_tl.sbatch").read_text()
     assert f"train.max_minutes={budget_s / 60:g}" in script  # the budget derived from the limit and the lead
-    final = _wait(job)
+    final = _wait(job, timeout=5 * 120 + 60)  # up to 5 allocations (4 requeues) of 2 minutes
     text = vitforge("logs", job).stdout
     assert final["state"] == "COMPLETED" and final["restarts"] >= 1, (final, text[-3000:])
     stops = re.findall(r"stopped at step \d+ \((signal SIGUSR1|train.max_minutes reached)\)", text)
