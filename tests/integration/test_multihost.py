@@ -302,17 +302,12 @@ def test_an_eval_job_on_two_hosts_gives_the_single_host_figure(cluster, dataset,
 
 
 def requeued_to(cluster, job: str, restart: int, timeout: float = 120) -> dict:
-    """Wait until the job runs as incarnation `restart`; returns its info. Once requeued (PENDING),
-    it is released at once: SLURM holds a requeued job for cred_expire + 1 s (11 s here), a wait no
-    test is about, and the partition test's stale copy must still run when the new one has started."""
+    """Wait until the job runs as incarnation `restart`; returns its info."""
     deadline = time.monotonic() + timeout
     while True:
         info = job_info(cluster, job)
         if int(info["Restarts"]) >= restart and info["JobState"] == "RUNNING":
             return info
-        if int(info["Restarts"]) >= restart and info["JobState"] == "PENDING":
-            # Refused once it has started meanwhile ("no longer pending"): the loop sees it running.
-            cluster.scontrol("update", f"JobId={job}", "StartTime=now", check=False)
         if time.monotonic() > deadline:
             raise AssertionError(f"job {job} did not run again as restart {restart}: {info}")
         time.sleep(0.3)
