@@ -76,7 +76,9 @@ def main(argv: list[str]) -> int:
         print(f"uv_install: cannot read pip's configuration, nothing installed: {error}", file=sys.stderr)
         return 2
     uv = os.path.join(os.path.dirname(sys.executable), "uv")
-    command = [uv, "pip", "install", *uv_arguments(settings), *argv]
+    # Compiled as pip compiles: uv leaves it to each package's first import, which then costs every
+    # fresh venv's first start (the MLflow server's took 89 s instead of about 15).
+    command = [uv, "pip", "install", "--compile-bytecode", *uv_arguments(settings), *argv]
     return subprocess.run(command, env=uv_environment(settings, dict(os.environ))).returncode
 
 
